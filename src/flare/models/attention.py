@@ -1,0 +1,98 @@
+"""Attention over a paged KV cache, for a batch that mixes decode tokens and prefill chunks.
+
+The engine lays the step's tokens out as `[decode tokens..., prefill chunk 1..., chunk 2...]`
+and describes where each group reads its keys from with `AttentionBatch`. The recipe calls
+`paged_attention` once per layer after writing the step's K/V into the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's chunk of `length` new tokens at positions [ctx_len - length, ctx_len).
+
+    Attributes:
+        start: offset of the chunk's first token in the step's flat token list.
+        length: tokens in the chunk.
+        gather: int64 [ctx_len], cache slots of positions 0..ctx_len-1.
+        mask: bool [length, ctx_len] (True = attend), or None when the chunk is the whole
+            context (plain causal attention).
+    """
+
+    start: int
+    length: int
+    gather: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """The step's decode tokens: one token per sequence, first in the flat token list.
+
+    Attributes:
+        num_seqs: B, the number of decode tokens.
+        gather: int64 [B, M], cache slots of each sequence's positions, padded to M.
+        mask: bool [B, 1, 1, M] (True = attend), or None when no row is padded.
+    """
+
+    num_seqs: int
+    gather: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """Where a step writes and reads K/V.
+
+    Attributes:
+        slot_mapping: int64 [T], the cache slot each of the T new tokens is written to.
+        decode: the decode group (tokens [0, B)), or None.
+        prefills: prefill chunks, after the decode tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    decode: DecodeGroup | None
+    prefills: tuple[PrefillChunk, ...]
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Scaled dot-product attention of the step's queries over cached keys and values.
+
+    Args:
+        q: [T, H, D] queries (RoPE applied).
+        k_cache, v_cache: [S, KVH, D] one layer's cache, already holding this step's K/V.
+        batch: token layout and gather indices.
+        scale: softmax scale (1/sqrt(D) for these recipes).
+
+    Returns:
+        [T, H, D] attention output, same dtype as `q`. H must be a multiple of KVH (GQA).
+    """
+    out = torch.empty_like(q)
+    dec = batch.decode
+    if dec is not None:
+        b = dec.num_seqs
+        k = k_cache[dec.gather].transpose(1, 2)  # [B, KVH, M, D]
+        v = v_cache[dec.gather].transpose(1, 2)
+        qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=dec.mask, scale=scale,
+                                           enable_gqa=True)
+        out[:b] = o.squeeze(2)
+    for chunk in batch.prefills:
+        s, t = chunk.start, chunk.length
+        k = k_cache[chunk.gather].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        v = v_cache[chunk.gather].transpose(0, 1).unsqueeze(0)
+        qp = q[s:s + t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
+        o = F.scaled_dot_product_attention(
+            qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+            enable_gqa=True)
+        out[s:s + t] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,339 @@
+"""The engine: a step loop of schedule -> forward -> sample -> post-process.
+
+The engine owns the model, the KV cache and the page pool, and runs in one thread.
+Requests and aborts arrive through a thread-safe inbox; outputs leave through a callback
+(`on_output`), which the async wrapper turns into per-request queues.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from flare.models.config import ModelConfig
+from flare.models.llama import LlamaModel
+from flare.prepare.plan import CapacityPlan, layout_for
+from flare.runtime.detokenize import IncrementalDetokenizer
+from flare.runtime.request import GenerationRequest, RequestOutput, RequestTimings
+from flare.runtime.sampling import sample
+from flare.runtime.scheduler import ScheduledChunk, Scheduler
+from flare.runtime.sequence import Sequence, SeqStatus
+from flare.runtime.stop_strings import StopStringMatcher
+from flare.state.pools import KVCache, PagePool
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve (empty prompt, prompt beyond the plan)."""
+
+
+@dataclass
+class _SeqText:
+    """Text-side state of a sequence: detokenizer and stop-string matcher."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    stop_ids: frozenset[int]
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens_total: int = 0
+    cached_prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished_total: int = 0
+    requests_aborted_total: int = 0
+    steps_total: int = 0
+    failed_steps_total: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    """Serves generation requests from one model over pools sized by a capacity plan.
+
+    Args:
+        config: model hyper-parameters.
+        plan: capacity plan; the KV pool of `plan.num_pages` pages is allocated here, once.
+        tensors: Hugging Face-named weights in the plan's dtype.
+        tokenizer: transformers tokenizer (for detokenization and EOS ids).
+        device: torch device the weights live on.
+
+    Raises:
+        ValueError: the plan cannot hold one sequence of `max_seq_len` tokens.
+    """
+
+    def __init__(self, config: ModelConfig, plan: CapacityPlan,
+                 tensors: dict[str, torch.Tensor], tokenizer: Any,
+                 device: str | torch.device = "cpu") -> None:
+        if plan.num_pages < plan.pages_per_seq:
+            raise ValueError(
+                f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
+                f"{plan.max_seq_len} needs {plan.pages_per_seq}")
+        self.config = config
+        self.plan = plan
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.model = LlamaModel(config, tensors, max_positions=plan.max_seq_len)
+        self.kv = KVCache(layout_for(config, plan), plan.num_pages, self.device)
+        self.pool = PagePool(plan.num_pages)
+        self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
+                                   plan.max_batch_tokens)
+        eos = set(config.eos_token_ids)
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.counters = EngineCounters()
+        self.on_output: Callable[[RequestOutput], None] = lambda out: None
+        self._seqs: dict[str, Sequence] = {}
+        self._text: dict[str, _SeqText] = {}
+        self._inbox: list[GenerationRequest] = []
+        self._aborts: list[str] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._seed_rng = torch.Generator().manual_seed(0)
+
+    @classmethod
+    def from_package(cls, package: Any) -> "Engine":
+        """Build from a `flare.prepare.package.LoadedPackage`."""
+        return cls(package.config, package.plan, package.tensors, package.tokenizer)
+
+    # ---- thread-safe entry points -------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Check a request fits the plan before it is queued.
+
+        Raises:
+            RequestRejected: empty prompt, or prompt of >= max_seq_len tokens (no room for
+                one completion token), naming the numbers.
+        """
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("prompt is empty (0 tokens)")
+        if n >= self.plan.max_seq_len:
+            raise RequestRejected(
+                f"prompt has {n} tokens; this package's max sequence length is "
+                f"{self.plan.max_seq_len} tokens (prompt plus at least 1 completion token)")
+        vocab = self.config.vocab_size
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request (any thread). Raises `RequestRejected` as `validate` does."""
+        self.validate(request)
+        with self._wake:
+            self._inbox.append(request)
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (any thread); its pages are released at the next step."""
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def start(self) -> None:
+        """Run the step loop in a daemon thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="flare-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def stats(self) -> dict[str, int]:
+        """Pool occupancy, queue lengths and counters (a snapshot; ints)."""
+        c = self.counters
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "pages_total": self.pool.num_pages,
+            "pages_free": self.pool.num_free,
+            "pages_used": self.pool.num_used,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": c.prompt_tokens_total,
+            "cached_prompt_tokens_total": c.cached_prompt_tokens_total,
+            "generation_tokens_total": c.generation_tokens_total,
+            "requests_finished_total": c.requests_finished_total,
+            "requests_aborted_total": c.requests_aborted_total,
+            "steps_total": c.steps_total,
+            "failed_steps_total": c.failed_steps_total,
+        }
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopping or self._inbox or self._aborts
+                           or self.scheduler.has_work()):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+            self.step()
+        for seq in list(self._seqs.values()):
+            self._finish(seq, "abort", error="server shutting down")
+
+    def _drain_inbox(self) -> None:
+        with self._wake:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in inbox:
+            self._admit(req)
+        for rid in aborts:
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                self._finish(seq, "abort")
+
+    def _admit(self, req: GenerationRequest) -> None:
+        p = req.params
+        gen = torch.Generator()
+        gen.manual_seed(p.seed if p.seed is not None
+                        else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng)))
+        n = len(req.prompt_token_ids)
+        seq = Sequence(request=req, token_ids=list(req.prompt_token_ids), num_prompt_tokens=n,
+                       max_len=min(self.plan.max_seq_len, n + p.max_tokens), generator=gen)
+        stop_ids = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        self._text[req.request_id] = _SeqText(IncrementalDetokenizer(self.tokenizer),
+                                              StopStringMatcher(p.stop), frozenset(stop_ids))
+        self._seqs[req.request_id] = seq
+        self.counters.prompt_tokens_total += n
+        self.scheduler.add(seq)
+
+    def step(self) -> None:
+        """One engine step: take inbox and aborts, schedule, forward, sample, emit outputs."""
+        self._drain_inbox()
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        now = time.monotonic_ns()
+        for c in chunks:
+            if c.seq.scheduled_ns is None:
+                c.seq.scheduled_ns = now
+        self.counters.steps_total += 1
+        try:
+            tokens = self._run(chunks)
+        except Exception as exc:  # a failed step fails its requests, never the server
+            log.exception("engine step failed")
+            self.counters.failed_steps_total += 1
+            for c in chunks:
+                self._finish(c.seq, "abort", error=f"engine step failed: {exc}")
+            return
+        for c in chunks:
+            c.seq.num_computed += c.num_tokens
+        for c, tok in zip([c for c in chunks if c.samples], tokens):
+            self._append(c.seq, tok)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """Forward the chunks and sample a token for every chunk that reaches its end."""
+        ids, positions, slots, prefills, last_rows = [], [], [], [], []
+        decode_gathers: list[torch.Tensor] = []
+        offset = 0
+        in_decode_run = True  # decode tokens lead the flat token list (see AttentionBatch)
+        for c in chunks:
+            seq, start = c.seq, c.seq.num_computed
+            end = start + c.num_tokens
+            ids.extend(seq.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            slots.append(self.kv.slots(seq.pages, start, end))
+            gather = self.kv.slots(seq.pages, 0, end)
+            in_decode_run = in_decode_run and c.num_tokens == 1
+            if not in_decode_run:
+                mask = None
+                if start > 0:  # chunk after cached context: causal with an offset
+                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+                prefills.append(PrefillChunk(offset, c.num_tokens, gather, mask))
+            else:
+                decode_gathers.append(gather)
+            offset += c.num_tokens
+            if c.samples:
+                last_rows.append(offset - 1)
+        decode = _decode_group(decode_gathers) if decode_gathers else None
+        batch = AttentionBatch(torch.cat(slots), decode, tuple(prefills))
+        hidden = self.model.forward(torch.tensor(ids), torch.cat(positions), batch, self.kv)
+        if not last_rows:
+            return []
+        logits = self.model.logits(hidden[torch.tensor(last_rows)])
+        sampling = [c.seq for c in chunks if c.samples]
+        return sample(logits, [s.request.params for s in sampling],
+                      [s.generator for s in sampling])
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """Add a sampled token to `seq`, decide whether it finished, and emit its output."""
+        text_state = self._text[seq.request_id]
+        if seq.first_token_ns is None:
+            seq.first_token_ns = time.monotonic_ns()
+        seq.token_ids.append(token)
+        self.counters.generation_tokens_total += 1
+        if token in text_state.stop_ids:
+            self._finish(seq, "stop", new_tokens=[token])
+            return
+        text, stopped = text_state.stops.push(text_state.detok.push(token))
+        if stopped:
+            self._finish(seq, "stop", new_tokens=[token], text=text)
+        elif len(seq.token_ids) >= seq.max_len:
+            self._finish(seq, "length", new_tokens=[token], text=text)
+        else:
+            self._emit(seq, [token], text)
+
+    def _finish(self, seq: Sequence, reason: str, *, new_tokens: list[int] | None = None,
+                text: str = "", error: str | None = None) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        text_state = self._text.pop(seq.request_id)
+        if reason == "length":  # held-back text is final now
+            text += text_state.stops.push(text_state.detok.flush())[0]
+            text += text_state.stops.flush()
+        self.scheduler.finish(seq)
+        del self._seqs[seq.request_id]
+        seq.finish_reason = reason  # type: ignore[assignment]
+        if reason == "abort":
+            self.counters.requests_aborted_total += 1
+        else:
+            self.counters.requests_finished_total += 1
+        timings = RequestTimings(seq.request.arrival_ns, seq.scheduled_ns, seq.first_token_ns,
+                                 time.monotonic_ns())
+        self._emit(seq, new_tokens or [], text, finished=True, timings=timings, error=error)
+
+    def _emit(self, seq: Sequence, tokens: list[int], text: str, *, finished: bool = False,
+              timings: RequestTimings | None = None, error: str | None = None) -> None:
+        out = RequestOutput(
+            request_id=seq.request_id, token_ids=tokens, text=text, finished=finished,
+            finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_completion_tokens=seq.num_completion_tokens,
+            num_cached_tokens=seq.num_cached_tokens, timings=timings, error=error)
+        try:
+            self.on_output(out)
+        except Exception:  # a broken consumer must not stop the step loop
+            log.exception("output callback failed for %s", seq.request_id)
+
+
+def _decode_group(gathers: list[torch.Tensor]) -> DecodeGroup:
+    """Pad per-sequence gather indices to [B, M] with a mask where lengths differ."""
+    lengths = [g.numel() for g in gathers]
+    m = max(lengths)
+    if all(n == m for n in lengths):
+        return DecodeGroup(len(gathers), torch.stack(gathers), None)
+    gather = torch.zeros(len(gathers), m, dtype=torch.int64)
+    for row, g in enumerate(gathers):
+        gather[row, :g.numel()] = g
+    lens = torch.tensor(lengths)
+    mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
+    return DecodeGroup(len(gathers), gather, mask)

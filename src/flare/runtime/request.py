@@ -1,0 +1,113 @@
+"""What crosses the boundary between the HTTP layer and the engine.
+
+The server turns an OpenAI request into one `GenerationRequest` per choice; the engine
+answers with a stream of `RequestOutput` items, one per engine step that produced something
+for that request. Nothing here knows about HTTP or about tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, for one sequence.
+
+    Attributes:
+        max_tokens: most completion tokens to generate (>= 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        seed: seeds a per-request `torch.Generator`, so the same seed gives the same
+            tokens whether the request runs alone or batched. None draws from the
+            engine's generator.
+        stop: strings that end generation; the matched string is not returned.
+        stop_token_ids: token ids that end generation (EOS ids are added by the engine
+            unless `ignore_eos`); the stop token is not part of the returned text.
+        ignore_eos: keep going past end-of-sequence tokens (benchmarks).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate.
+
+    Attributes:
+        request_id: unique among live requests (the server appends the choice index).
+        prompt_token_ids: the full prompt, already templated and tokenized.
+        params: sampling and stopping.
+        arrival_ns: `time.monotonic_ns()` when the server received it (server clock).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_ns: int = 0
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """Server-clock timestamps of one request, `time.monotonic_ns()` (ns)."""
+
+    arrival_ns: int
+    scheduled_ns: int | None = None  # first step that worked on it (queue end)
+    first_token_ns: int | None = None
+    finished_ns: int | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request.
+
+    Attributes:
+        request_id: the request this belongs to.
+        token_ids: completion tokens produced in this step (may be empty when the step only
+            prefilled, or when text is held back).
+        text: new completion text, safe to send: never a partial UTF-8 character, never a
+            prefix of a stop string that may still complete.
+        finished: True on the last output of the request.
+        finish_reason: "stop", "length" or "abort" when finished, else None.
+        num_prompt_tokens: tokens in the prompt.
+        num_completion_tokens: completion tokens so far (all steps).
+        num_cached_tokens: prompt tokens served from the prefix cache, not computed.
+        timings: server clock, filled on the final output.
+        error: set when the engine failed this request (finish_reason is "abort").
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: RequestTimings | None = None
+    error: str | None = None

@@ -1,0 +1,127 @@
+"""Continuous batching with chunked prefill over a fixed page pool.
+
+Each step: every running sequence that is decoding gets one token; the rest of the step's
+token budget goes to prefill chunks (running prefills first, then newly admitted
+sequences, in arrival order). Pages are taken as a chunk needs them. When a decode step
+finds no free page, the most recently admitted sequence is preempted (its pages released;
+it is recomputed later from its tokens), so older requests always make progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from flare.runtime.sequence import Sequence, SeqStatus
+from flare.state.pools import PagePool
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq`, from position `seq.num_computed`, to compute this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence's tokens (its logits are used)."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+class Scheduler:
+    """Chooses each step's work and keeps every page a sequence holds accounted for.
+
+    Args:
+        pool: the KV page pool.
+        page_size: tokens per page.
+        max_num_seqs: most running sequences.
+        max_batch_tokens: most tokens in one step (>= max_num_seqs, so decodes always fit).
+    """
+
+    def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int,
+                 max_batch_tokens: int) -> None:
+        self.pool = pool
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        end = seq.num_computed + num_tokens
+        return max(0, -(-end // self.page_size) - len(seq.pages))
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self._pages_needed(seq, num_tokens)
+        if need > self.pool.num_free:
+            return False
+        seq.pages.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The step's chunks: decodes first, then prefill chunks within the token budget."""
+        budget = self.max_batch_tokens
+        decodes: list[ScheduledChunk] = []
+        prefills: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
+                continue
+            while not self._grow(seq, 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SeqStatus.RUNNING:
+                decodes.append(ScheduledChunk(seq, 1))
+                budget -= 1
+        decoding = {c.seq for c in decodes}
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq in decoding or not seq.is_prefilling:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if self._grow(seq, n):
+                prefills.append(ScheduledChunk(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n):
+                break  # admit in arrival order only: a large head waits for pages
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            prefills.append(ScheduledChunk(seq, n))
+            budget -= n
+        return decodes + prefills
+
+    def finish(self, seq: Sequence) -> None:
+        """Release everything `seq` holds and forget it (idempotent)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.pages:
+            self.pool.release(seq.pages)
+            seq.pages = []
+        seq.status = SeqStatus.FINISHED

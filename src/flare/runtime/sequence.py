@@ -1,0 +1,62 @@
+"""A sequence being served: its tokens, its pages, how far its KV cache is computed."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from flare.runtime.request import FinishReason, GenerationRequest
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages
+    RUNNING = "running"  # holds pages; prefilling or decoding
+    FINISHED = "finished"  # pages released
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Per-sequence engine state.
+
+    Attributes:
+        request: what the client asked for.
+        token_ids: prompt followed by the completion tokens generated so far.
+        num_prompt_tokens: length of the prompt.
+        num_computed: tokens whose K/V is in the cache; `token_ids[num_computed:]` is what
+            the next steps must still compute (more than one while prefilling, exactly one
+            while decoding: the last sampled token).
+        pages: page table; position p lives in page `pages[p // page_size]`.
+        max_len: the sequence ends with "length" once it has this many tokens.
+        generator: per-request RNG for sampling.
+    """
+
+    request: GenerationRequest
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_len: int
+    generator: torch.Generator
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    scheduled_ns: int | None = None
+    first_token_ns: int | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed > 1

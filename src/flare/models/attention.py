@@ -82,10 +82,12 @@ def paged_attention(
         b = dec.num_seqs
         k = k_cache[dec.gather].transpose(1, 2)  # [B, KVH, M, D]
         v = v_cache[dec.gather].transpose(1, 2)
-        qd = q[:b].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=dec.mask, scale=scale,
-                                           enable_gqa=True)
-        out[:b] = o.squeeze(2)
+        # one query per sequence: fold each KV head's group of query heads into the query
+        # axis ([B, KVH, G, D]), so GQA needs neither repeated K/V nor a GQA kernel
+        kvh, d = k.shape[1], q.shape[-1]
+        qd = q[:b].reshape(b, kvh, -1, d)  # [B, KVH, G, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=dec.mask, scale=scale)
+        out[:b] = o.reshape(b, -1, d)
     for chunk in batch.prefills:
         s, t = chunk.start, chunk.length
         k = k_cache[chunk.gather].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]

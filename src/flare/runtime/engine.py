@@ -235,10 +235,11 @@ class Engine:
             for c in chunks:
                 self._finish(c.seq, "abort", error=f"engine step failed: {exc}")
             return
+        sampled = [c.seq for c in chunks if c.samples]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
-        for c, tok in zip([c for c in chunks if c.samples], tokens):
-            self._append(c.seq, tok)
+        for seq, tok in zip(sampled, tokens):
+            self._append(seq, tok)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the chunks and sample a token for every chunk that reaches its end."""
@@ -266,7 +267,8 @@ class Engine:
                 last_rows.append(offset - 1)
         decode = _decode_group(decode_gathers) if decode_gathers else None
         batch = AttentionBatch(torch.cat(slots), decode, tuple(prefills))
-        hidden = self.model.forward(torch.tensor(ids), torch.cat(positions), batch, self.kv)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64), torch.cat(positions),
+                                    batch, self.kv)
         if not last_rows:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows)])

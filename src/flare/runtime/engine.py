@@ -174,6 +174,32 @@ class Engine:
             "failed_steps_total": c.failed_steps_total,
         }
 
+    def run_until_idle(self, requests: list[GenerationRequest]) -> dict[str, list[RequestOutput]]:
+        """Run `requests` to completion on the caller's thread; returns each one's outputs.
+
+        For tests, benchmarks and offline use; never while the loop thread runs (`start`).
+        Outputs still reach `on_output` as well.
+        """
+        if self._thread is not None:
+            raise RuntimeError("run_until_idle while the engine thread runs")
+        outputs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        forward = self.on_output
+
+        def collect(out: RequestOutput) -> None:
+            if out.request_id in outputs:
+                outputs[out.request_id].append(out)
+            forward(out)
+
+        self.on_output = collect
+        try:
+            for r in requests:
+                self.add_request(r)
+            while self._inbox or self._aborts or self.scheduler.has_work():
+                self.step()
+        finally:
+            self.on_output = forward
+        return outputs
+
     # ---- the step loop ------------------------------------------------------------------
 
     def _loop(self) -> None:

@@ -1,0 +1,229 @@
+"""Engine behaviour: batching, chunked prefill, preemption, aborts, sampling, stopping.
+
+Most tests run the tiny random Qwen3 (fast); outputs are compared with the same request run
+alone, which is what a user expects whatever else the server is doing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flare.loading.checkpoint import load_checkpoint
+from flare.prepare.plan import make_plan
+from flare.runtime.engine import Engine, RequestRejected
+from flare.runtime.request import GenerationRequest, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_dir):
+    return load_checkpoint(tiny_qwen3_dir)
+
+
+def make_engine(ckpt, **plan_kw) -> Engine:
+    kw = {"max_seq_len": 256, "max_num_seqs": 4, "max_batch_tokens": 64, **plan_kw}
+    return Engine(ckpt.config, make_plan(ckpt.config, **kw), ckpt.tensors, ckpt.tokenizer)
+
+
+def tokens(outs) -> list[int]:
+    return sum((o.token_ids for o in outs), [])
+
+
+def text(outs) -> str:
+    return "".join(o.text for o in outs)
+
+
+def prompts(ckpt, n: int) -> list[list[int]]:
+    base = ["Hello there, how are you today?", "def add(a, b):\n    return",
+            "A long time ago in a galaxy far, far away " * 3, "1, 2, 3, 4, 5,",
+            "Paged attention stores keys and values in", "The weather in Paris is"]
+    return [ckpt.tokenizer.encode(base[i % len(base)] + " x" * (i // len(base)))
+            for i in range(n)]
+
+
+def solo(engine: Engine, ids: list[int], params: SamplingParams = GREEDY) -> list:
+    return engine.run_until_idle([GenerationRequest("solo", ids, params)])["solo"]
+
+
+def assert_pools_back_to_baseline(engine: Engine) -> None:
+    engine.pool.check_integrity()
+    assert engine.pool.num_used == 0
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_batched_answers_equal_solo_answers(tiny):
+    engine = make_engine(tiny)
+    ps = prompts(tiny, 4)
+    alone = [tokens(solo(engine, ids)) for ids in ps]
+    outs = engine.run_until_idle([GenerationRequest(str(i), ids, GREEDY)
+                                  for i, ids in enumerate(ps)])
+    assert [tokens(outs[str(i)]) for i in range(4)] == alone
+    assert_pools_back_to_baseline(engine)
+
+
+@pytest.mark.slow
+def test_smollm2_batched_answers_equal_solo_answers(embedded_checkpoint):
+    engine = make_engine(embedded_checkpoint)
+    ps = prompts(embedded_checkpoint, 4)
+    alone = [tokens(solo(engine, ids)) for ids in ps]
+    outs = engine.run_until_idle([GenerationRequest(str(i), ids, GREEDY)
+                                  for i, ids in enumerate(ps)])
+    assert [tokens(outs[str(i)]) for i in range(4)] == alone
+    assert_pools_back_to_baseline(engine)
+
+
+def test_chunked_prefill_equals_single_chunk_prefill(tiny):
+    ids = prompts(tiny, 3)[2] * 3  # about 60 tokens
+    whole = tokens(solo(make_engine(tiny, max_batch_tokens=256), ids))
+    chunked = make_engine(tiny, max_batch_tokens=7)  # chunks that end mid-page
+    assert tokens(solo(chunked, ids)) == whole
+    assert_pools_back_to_baseline(chunked)
+
+
+def test_preempted_sequences_resume_with_the_same_answer(tiny):
+    ps = prompts(tiny, 3)
+    roomy = make_engine(tiny)
+    alone = [tokens(solo(roomy, ids, SamplingParams(max_tokens=60, temperature=0,
+                                                      ignore_eos=True))) for ids in ps]
+    # 6 pages of 16 tokens: the three sequences cannot all grow to ~75 tokens at once
+    tight = make_engine(tiny, max_seq_len=96, num_pages=6)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    outs = tight.run_until_idle([GenerationRequest(str(i), ids, params)
+                                 for i, ids in enumerate(ps)])
+    assert tight.scheduler.num_preemptions > 0
+    assert [tokens(outs[str(i)]) for i in range(3)] == alone
+    assert_pools_back_to_baseline(tight)
+
+
+def test_abort_mid_decode_frees_pages_at_once_and_spares_the_others(tiny):
+    engine = make_engine(tiny)
+    a, b = prompts(tiny, 2)
+    expected_b = tokens(solo(engine, b))
+    got: dict[str, list] = {"a": [], "b": []}
+    engine.on_output = lambda o: got[o.request_id].append(o)
+    engine.add_request(GenerationRequest("a", a, GREEDY))
+    engine.add_request(GenerationRequest("b", b, GREEDY))
+    for _ in range(5):
+        engine.step()
+    used_by_both = engine.pool.num_used
+    engine.abort("a")
+    engine.step()
+    assert got["a"][-1].finished and got["a"][-1].finish_reason == "abort"
+    assert engine.pool.num_used < used_by_both
+    while engine.scheduler.has_work():
+        engine.step()
+    assert tokens(got["b"]) == expected_b
+    assert_pools_back_to_baseline(engine)
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny):
+    """Case api-seed."""
+    engine = make_engine(tiny)
+    ids = prompts(tiny, 1)[0]
+    p7 = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    p8 = SamplingParams(max_tokens=20, temperature=0.8, seed=8, ignore_eos=True)
+    first, second = tokens(solo(engine, ids, p7)), tokens(solo(engine, ids, p7))
+    assert first == second
+    assert tokens(solo(engine, ids, p8)) != first
+    outs = engine.run_until_idle([GenerationRequest("x", ids, p7), GenerationRequest("y", ids, p7),
+                                  GenerationRequest("z", ids, p8)])
+    assert tokens(outs["x"]) == tokens(outs["y"]) == first
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(tiny):
+    engine = make_engine(tiny)
+    ids = prompts(tiny, 1)[0]
+    greedy = tokens(solo(engine, ids))
+    for p in (SamplingParams(max_tokens=24, temperature=1.0, top_k=1, ignore_eos=True, seed=1),
+              SamplingParams(max_tokens=24, temperature=1.0, top_p=1e-6, ignore_eos=True, seed=1)):
+        assert tokens(solo(engine, ids, p)) == greedy
+
+
+def test_max_tokens_1_gives_one_token_and_length(tiny):
+    """Case api-max-tokens-edge."""
+    engine = make_engine(tiny)
+    outs = solo(engine, prompts(tiny, 1)[0], SamplingParams(max_tokens=1, temperature=0,
+                                                            ignore_eos=True))
+    assert len(tokens(outs)) == 1
+    assert outs[-1].finish_reason == "length" and outs[-1].num_completion_tokens == 1
+
+
+def test_generation_ends_with_length_at_the_planned_sequence_length(tiny):
+    """Case api-max-tokens-edge: the engine never writes past max_seq_len."""
+    engine = make_engine(tiny, max_seq_len=64)
+    ids = prompts(tiny, 1)[0]
+    outs = solo(engine, ids, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True))
+    assert outs[-1].finish_reason == "length"
+    assert len(ids) + outs[-1].num_completion_tokens == 64
+
+
+def test_stop_string_across_tokens_ends_generation_without_the_stop_text(tiny):
+    """Case api-stop-across-tokens, at the engine."""
+    engine = make_engine(tiny)
+    ids = prompts(tiny, 1)[0]
+    full_outs = solo(engine, ids)
+    full = text(full_outs)
+    pieces = [o.text for o in full_outs if o.text]
+    # a stop string that spans the boundary between two emitted pieces
+    joined, cut = "", None
+    for a, b in zip(pieces, pieces[1:]):
+        joined += a
+        if a and b:
+            cut = (len(joined), a[-1] + b[0])
+            break
+    assert cut is not None
+    pos, stop = cut[0] - 1, cut[1]
+    start = full.find(stop)
+    outs = solo(engine, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                            stop=(stop,)))
+    assert outs[-1].finish_reason == "stop"
+    assert text(outs) == full[:start]
+    assert start <= pos
+    assert_pools_back_to_baseline(engine)
+
+
+def test_stop_token_id_ends_with_stop(tiny):
+    engine = make_engine(tiny)
+    ids = prompts(tiny, 1)[0]
+    greedy = tokens(solo(engine, ids))
+    target = greedy[5]
+    outs = solo(engine, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                            stop_token_ids=(target,)))
+    assert outs[-1].finish_reason == "stop"
+    assert tokens(outs) == greedy[:greedy.index(target) + 1]
+
+
+def test_prompt_beyond_the_plan_is_rejected_naming_the_numbers(tiny):
+    """Case api-context-overflow, at the engine."""
+    engine = make_engine(tiny, max_seq_len=64)
+    with pytest.raises(RequestRejected, match="64 tokens.*64"):
+        engine.add_request(GenerationRequest("long", list(range(64)), GREEDY))
+    with pytest.raises(RequestRejected, match="empty"):
+        engine.add_request(GenerationRequest("empty", [], GREEDY))
+    with pytest.raises(RequestRejected, match="vocabulary"):
+        engine.add_request(GenerationRequest("oov", [10**9], GREEDY))
+    assert_pools_back_to_baseline(engine)
+
+
+def test_engine_thread_serves_and_stops(tiny):
+    import threading
+
+    engine = make_engine(tiny)
+    done = threading.Event()
+    got = []
+
+    def on_output(o):
+        got.append(o)
+        if o.finished:
+            done.set()
+
+    engine.on_output = on_output
+    engine.start()
+    try:
+        engine.add_request(GenerationRequest("t", prompts(tiny, 1)[0], GREEDY))
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert got[-1].finish_reason == "length" and got[-1].timings.first_token_ns is not None
+    assert_pools_back_to_baseline(engine)

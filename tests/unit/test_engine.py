@@ -227,3 +227,21 @@ def test_engine_thread_serves_and_stops(tiny):
         engine.stop()
     assert got[-1].finish_reason == "length" and got[-1].timings.first_token_ns is not None
     assert_pools_back_to_baseline(engine)
+
+
+def test_text_held_back_for_a_possible_stop_string_is_sent_when_a_stop_token_ends(tiny):
+    """A stop-string candidate at the end of the text must not be lost on EOS/stop token."""
+    engine = make_engine(tiny)
+    ids = prompts(tiny, 1)[0]
+    greedy = tokens(solo(engine, ids))
+    target = greedy[8]
+    by_token = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                              stop_token_ids=(target,))
+    expected = text(solo(engine, ids, by_token))
+    assert expected
+    # a stop string that begins with the text's last character but never completes
+    held = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                          stop_token_ids=(target,), stop=(expected[-1] + "\x00\x01",))
+    outs = solo(engine, ids, held)
+    assert outs[-1].finish_reason == "stop"
+    assert text(outs) == expected

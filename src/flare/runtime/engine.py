@@ -7,6 +7,7 @@ Requests and aborts arrive through a thread-safe inbox; outputs leave through a 
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -80,6 +81,9 @@ class Engine:
         self.config = config
         self.plan = plan
         self.tokenizer = tokenizer
+        # the server thread encodes with `tokenizer` while this thread decodes: a Rust
+        # tokenizer mutated by one (padding/truncation settings) raises in the other
+        self._detok_tokenizer = copy.deepcopy(tokenizer)
         self.device = torch.device(device)
         self.model = LlamaModel(config, tensors, max_positions=plan.max_seq_len)
         self.kv = KVCache(layout_for(config, plan), plan.num_pages, self.device)
@@ -236,7 +240,7 @@ class Engine:
         stop_ids = set(p.stop_token_ids)
         if not p.ignore_eos:
             stop_ids |= self.eos_token_ids
-        self._text[req.request_id] = _SeqText(IncrementalDetokenizer(self.tokenizer),
+        self._text[req.request_id] = _SeqText(IncrementalDetokenizer(self._detok_tokenizer),
                                               StopStringMatcher(p.stop), frozenset(stop_ids))
         self._seqs[req.request_id] = seq
         self.counters.prompt_tokens_total += n
@@ -325,7 +329,8 @@ class Engine:
         if seq.status is SeqStatus.FINISHED:
             return
         text_state = self._text.pop(seq.request_id)
-        if reason == "length":  # held-back text is final now
+        if reason != "abort" and not text_state.stops.stopped:
+            # the sequence ended by length or a stop token: held-back text is final now
             text += text_state.stops.push(text_state.detok.flush())[0]
             text += text_state.stops.flush()
         self.scheduler.finish(seq)

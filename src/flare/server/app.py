@@ -1,0 +1,396 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus text), GET /debug/state (engine stats as JSON, for tests).
+
+Policies:
+- Context length (case api-context-overflow): a prompt of `max_seq_len` tokens or more is
+  refused with 400 `context_length_exceeded`, naming the prompt's tokens and the limit. The
+  prompt is never cut.
+- max_tokens (case api-max-tokens-edge): when prompt + max_tokens exceeds `max_seq_len`,
+  max_tokens is clamped to what remains, so generation ends with `finish_reason: "length"`
+  at the limit and never writes past the planned sequence length. A request without
+  max_tokens (or max_completion_tokens) may use everything that remains.
+- n > 1: one engine request per choice (request id suffixed "-i"; with seed s, choice i
+  uses seed s + i), their streams merged.
+- Errors use OpenAI's body `{"error": {message, type, param, code}}`: 400 for invalid JSON
+  or parameters, 404 `model_not_found`, 500 for engine failures and anything unexpected;
+  the server keeps serving after any of them. In a stream that has begun, a failure is an
+  error event followed by `[DONE]`.
+- A client that disconnects stops its requests: the engine streams are closed, which
+  aborts them in the engine and frees their pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flare.runtime.engine import RequestRejected
+from flare.runtime.request import GenerationRequest, RequestOutput
+from flare.server.chat import ChatTemplateError, chat_prompt_ids
+from flare.server.protocol import (
+    ApiError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    error_body,
+    validation_error,
+)
+from flare.server.streaming import ChunkBuilder, Tally, merge_streams, sse_stream
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server options (`flare serve` flags).
+
+    Attributes:
+        served_model_name: the model id in /v1/models and accepted in requests; defaults to
+            the package's model name. The package's own model name and its package_id are
+            always accepted too.
+        max_n: most choices (`n`) per request.
+    """
+
+    served_model_name: str | None = None
+    max_n: int = 8
+
+
+# --------------------------------------------------------------------------- metrics
+
+_KNOWN_METRICS = {
+    "pages_used": "KV pages held by sequences",
+    "pages_free": "KV pages free in the pool",
+    "pages_total": "KV pages in the pool (from the capacity plan)",
+    "num_running": "sequences running (holding pages)",
+    "num_waiting": "sequences waiting for admission",
+    "prompt_tokens_total": "prompt tokens received",
+    "generation_tokens_total": "completion tokens generated",
+    "requests_finished_total": "requests finished (stop or length)",
+}
+
+
+class _EngineCollector(Collector):
+    """Reads `engine.stats()` at scrape time: no copy of engine state to keep in step.
+
+    Keys ending in "_total" become counters (exposed as `flare_<key>`), others gauges; keys
+    the engine adds later are exported the same way.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        for key, value in self._engine.stats().items():
+            if not isinstance(value, (int, float)):
+                continue
+            doc = _KNOWN_METRICS.get(key, key.replace("_", " "))
+            if key.endswith("_total"):
+                yield CounterMetricFamily(f"flare_{key.removesuffix('_total')}", doc, value=value)
+            else:
+                yield GaugeMetricFamily(f"flare_{key}", doc, value=value)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator.
+
+    Starlette cancels the sending task when the client disconnects; if the iterator was
+    suspended at a `yield` it would only be closed when garbage-collected. Closing it here
+    aborts the engine requests at once, so their pages are freed at the engine's next step.
+    """
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # After the body has been read, the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run `work` until it completes or the client disconnects (then `work` is cancelled).
+
+    Returns:
+        (True, result) when `work` completed, (False, None) when the client left first.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return True, task.result()
+        return False, None
+    finally:
+        task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(
+    engine: Any, settings: ServerSettings | None = None, *, owns_engine: bool = False
+) -> FastAPI:
+    """The FastAPI app serving `engine` (an `AsyncEngine`).
+
+    Args:
+        engine: the `flare.runtime.async_engine.AsyncEngine` to serve.
+        settings: server options; defaults to `ServerSettings()`.
+        owns_engine: shut the engine down when the app shuts down.
+    """
+    settings = settings or ServerSettings()
+    served_name = settings.served_model_name or engine.model_name
+    accepted_names = {n for n in (served_name, engine.model_name, engine.package_id) if n}
+    started = int(time.time())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(engine))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_engine:
+            await engine.shutdown()
+
+    app = FastAPI(title="Flare", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.registry = registry
+
+    # ---- errors ---------------------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc.errors())  # OpenAI answers invalid parameters with 400
+        return JSONResponse(err.body(), status_code=err.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal server error", type="server_error"),
+                            status_code=500)
+
+    # ---- request preparation --------------------------------------------------------
+
+    def check_model(name: str) -> None:
+        if name not in accepted_names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                                f"'{served_name}'.", param="model", code="model_not_found")
+
+    def completion_budget(req: ChatCompletionRequest | CompletionRequest, num_prompt: int,
+                          param: str) -> int:
+        """max_tokens after the context-length policy (module docstring)."""
+        limit = engine.plan.max_seq_len
+        if num_prompt >= limit:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt has {num_prompt} tokens, which leaves no room for a completion "
+                f"(the prompt must have fewer than {limit} tokens).",
+                param=param, code="context_length_exceeded")
+        remaining = limit - num_prompt
+        requested = req.requested_max_tokens
+        return remaining if requested is None else min(requested, remaining)
+
+    def check_n(n: int) -> None:
+        if n > settings.max_n:
+            raise ApiError(400, f"n is {n}; this server allows at most {settings.max_n}.",
+                           param="n")
+
+    def engine_requests(req: ChatCompletionRequest | CompletionRequest, response_id: str,
+                        prompt_ids: list[int], max_tokens: int,
+                        arrival_ns: int) -> list[AsyncIterator[RequestOutput]]:
+        return [
+            engine.generate(GenerationRequest(
+                request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
+                params=req.sampling_params(max_tokens, choice_index=i),
+                arrival_ns=arrival_ns))
+            for i in range(req.n)
+        ]
+
+    async def run(request: Request, req: ChatCompletionRequest | CompletionRequest,
+                  kind: Literal["chat", "completion"], prompt_ids: list[int],
+                  arrival_ns: int) -> Response:
+        param = "messages" if kind == "chat" else "prompt"
+        max_tokens = completion_budget(req, len(prompt_ids), param)
+        response_id = _new_id("chatcmpl" if kind == "chat" else "cmpl")
+        created = int(time.time())
+        streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns)
+        outputs = merge_streams(streams)
+
+        if req.stream:
+            builder = ChunkBuilder(kind, response_id, served_name, created, engine.package_id,
+                                   req.include_usage)
+            return _ClosingStreamingResponse(
+                sse_stream(outputs, builder, req.n), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def collect() -> Tally:
+            tally = Tally(req.n)
+            try:
+                async for index, out in outputs:
+                    tally.add(index, out)
+            finally:
+                await outputs.aclose()
+            return tally
+
+        try:
+            completed, tally = await _unless_disconnected(request, collect())
+        except RequestRejected as e:  # checked above already; the engine has the last word
+            raise ApiError(400, str(e), param=param) from e
+        if not completed or tally is None:
+            return Response(status_code=499)  # client closed the request; nobody reads this
+        usage = tally.usage()
+        if kind == "chat":
+            body: Any = ChatCompletionResponse(
+                id=response_id, created=created, model=served_name,
+                system_fingerprint=engine.package_id or None, usage=usage,
+                choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                    finish_reason=c.finish_reason)
+                         for i, c in enumerate(tally.choices)])
+        else:
+            body = CompletionResponse(
+                id=response_id, created=created, model=served_name,
+                system_fingerprint=engine.package_id or None, usage=usage,
+                choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
+                         for i, c in enumerate(tally.choices)])
+        return JSONResponse(body.model_dump())
+
+    # ---- routes ---------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completion; the prompt is rendered as `flare.server.chat` documents."""
+        arrival_ns = time.monotonic_ns()
+        check_model(body.model)
+        check_n(body.n)
+        try:
+            prompt_ids = chat_prompt_ids(engine.tokenizer, body.messages)
+        except ChatTemplateError as e:
+            param = f"messages[{e.message_index}]" if e.message_index is not None else "messages"
+            raise ApiError(400, str(e), param=param, code="invalid_chat_template_input") from e
+        return await run(request, body, "chat", prompt_ids, arrival_ns)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI text completion. A string prompt is tokenized with the tokenizer's
+        default special tokens (a BOS where the tokenizer adds one); a token-id list is
+        used as given, each id checked against the vocabulary."""
+        arrival_ns = time.monotonic_ns()
+        check_model(body.model)
+        check_n(body.n)
+        tokenizer = engine.tokenizer
+        if isinstance(body.prompt, str):
+            prompt_ids = list(tokenizer.encode(body.prompt))
+        else:
+            vocab = len(tokenizer)
+            bad = next((t for t in body.prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary "
+                                    f"[0, {vocab}).", param="prompt")
+            prompt_ids = list(body.prompt)
+        if not prompt_ids:
+            raise ApiError(400, "prompt has no tokens.", param="prompt")
+        return await run(request, body, "completion", prompt_ids, arrival_ns)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=served_name, created=started, max_model_len=engine.plan.max_seq_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/state")
+    async def debug_state() -> dict[str, Any]:
+        return dict(engine.stats())
+
+    return app
+
+
+def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info", **settings: Any) -> None:
+    """Load a runtime package and serve it until interrupted (blocks).
+
+    load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
+    it needs) -> uvicorn. The engine is stopped when the server exits.
+
+    Args:
+        package_path: folder of a runtime package written by `flare prepare`.
+        host, port: where to listen.
+        log_level: uvicorn's log level.
+        **settings: `ServerSettings` fields.
+
+    Raises:
+        TypeError: an unknown setting.
+        Whatever `load_package` raises for a package this build cannot serve.
+    """
+    import uvicorn
+
+    from flare.prepare.package import load_package
+    from flare.runtime.async_engine import AsyncEngine
+    from flare.runtime.engine import Engine
+
+    server_settings = ServerSettings(**settings)
+    package = load_package(package_path)
+    engine = Engine.from_package(package)
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,
+                                   package_id=package.manifest.package_id)
+        app = create_app(async_engine, server_settings, owns_engine=True)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+        await uvicorn.Server(config).serve()
+
+    asyncio.run(main())

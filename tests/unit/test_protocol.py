@@ -1,0 +1,162 @@
+"""Request validation: what is accepted, and 400 bodies that name the parameter at fault."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from flare.server.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Usage,
+    validation_error,
+)
+
+BASE = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def _chat(**kw):
+    return ChatCompletionRequest.model_validate({**BASE, **kw})
+
+
+def _error(cls, body) -> ApiError:
+    with pytest.raises(ValidationError) as exc:
+        cls.model_validate(body)
+    err = validation_error(exc.value.errors())
+    assert err.status_code == 400
+    assert err.body()["error"]["type"] == "invalid_request_error"
+    return err
+
+
+def _chat_error(**kw) -> ApiError:
+    return _error(ChatCompletionRequest, {**BASE, **kw})
+
+
+def test_minimal_chat_defaults():
+    req = _chat()
+    assert req.n == 1 and not req.stream and not req.include_usage
+    assert req.requested_max_tokens is None
+    p = req.sampling_params(max_tokens=10)
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (
+        10, 1.0, 1.0, 0, None, ())
+
+
+def test_sampling_params_mapping_and_seed_per_choice():
+    req = _chat(temperature=0, top_p=0.9, top_k=-1, seed=7, stop="END", ignore_eos=True,
+                max_completion_tokens=5, presence_penalty=0, frequency_penalty=0.0)
+    assert req.requested_max_tokens == 5
+    p0, p1 = req.sampling_params(5, 0), req.sampling_params(5, 1)
+    assert (p0.temperature, p0.top_p, p0.top_k, p0.stop, p0.ignore_eos) == (
+        0.0, 0.9, 0, ("END",), True)
+    assert (p0.seed, p1.seed) == (7, 8)
+
+
+def test_content_parts_joined_and_extra_fields_ignored():
+    req = _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                          {"type": "text", "text": "b"}]}],
+                store=False, metadata={"x": 1}, tool_choice="none", tools=[])
+    assert req.messages[0].content == "a\nb"
+
+
+def test_stream_options_usage():
+    assert _chat(stream=True, stream_options={"include_usage": True}).include_usage
+    err = _chat_error(stream_options={"include_usage": True})
+    assert err.param == "stream_options" and "stream" in err.message
+
+
+@pytest.mark.parametrize(
+    "kw, param, words",
+    [
+        ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+        ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+        ({"top_p": 0}, "top_p", "greater than 0"),
+        ({"n": 0}, "n", "greater than or equal to 1"),
+        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ({"stop": 5}, "stop", "valid string"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
+        ({"logprobs": True}, "logprobs", "not supported"),
+        ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+        ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        ({"tool_choice": "required"}, "tool_choice", "not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", "conflicts"),
+        ({"messages": []}, "messages", "at least 1"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "'user'"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", "required"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "valid string"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+            "only 'text' parts",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]},
+            "messages[0].tool_calls",
+            "not supported",
+        ),
+    ],
+)
+def test_chat_invalid_params_name_the_param(kw, param, words):
+    err = _chat_error(**kw)
+    assert err.param == param
+    assert words in err.message
+    assert param in err.message
+
+
+def test_missing_required_fields():
+    err = _error(ChatCompletionRequest, {"messages": BASE["messages"]})
+    assert err.param == "model" and "Missing" in err.message
+    err = _error(ChatCompletionRequest, {"model": "m"})
+    assert err.param == "messages"
+
+
+def test_fastapi_style_locations_and_invalid_json():
+    # FastAPI prefixes body errors with "body".
+    err = validation_error([{"type": "x", "loc": ("body", "messages", 2, "content"), "msg": "bad"}])
+    assert err.param == "messages[2].content"
+    err = validation_error(
+        [{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error",
+          "ctx": {"error": "Expecting value"}}]
+    )
+    assert err.param is None and "Invalid JSON" in err.message and err.code == "invalid_json"
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "hi"}).prompt == "hi"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt == [1, 2]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["hi"]}).prompt == "hi"
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[3]]}).prompt == [3]
+
+
+@pytest.mark.parametrize(
+    "kw, param, words",
+    [
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt"),
+        ({"prompt": ""}, "prompt", "empty"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": 3}, "prompt", "valid"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
+    ],
+)
+def test_completion_invalid_params(kw, param, words):
+    err = _error(CompletionRequest, {"model": "m", **kw})
+    assert err.param == param and words in err.message
+
+
+def test_error_body_shape():
+    err = ApiError(404, "no such model", param="model", code="model_not_found")
+    assert err.body() == {"error": {"message": "no such model", "type": "invalid_request_error",
+                                    "param": "model", "code": "model_not_found"}}
+
+
+def test_usage_totals():
+    u = Usage.of(prompt_tokens=10, completion_tokens=3, cached_tokens=4).model_dump()
+    assert u == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                 "prompt_tokens_details": {"cached_tokens": 4}}

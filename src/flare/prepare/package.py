@@ -1,0 +1,326 @@
+"""Write a runtime package (prepare) and read one back (serve).
+
+A package folder holds:
+    model.safetensors   weights, Hugging Face names, serving dtype
+    tokenizer files     whatever `tokenizer.save_pretrained` writes (transformers 5:
+                        tokenizer.json, tokenizer_config.json, chat_template.jinja)
+    manifest.json       `flare.contract.Manifest`
+It is written into a temporary sibling folder and renamed into place, so a reader never
+sees a half-written package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerBase
+from tqdm.auto import tqdm
+
+import flare
+from flare.contract import (
+    EXECUTION_ABI,
+    MANIFEST_NAME,
+    PREPARED_CONTRACT,
+    Manifest,
+    PackageError,
+    check_package,
+    device_class_of,
+    payload_id,
+    read_manifest,
+    scan_payload,
+)
+from flare.loading.checkpoint import (
+    Checkpoint,
+    checkpoint_format,
+    default_model_name,
+    load_checkpoint,
+    source_identity,
+)
+from flare.loading.tokenizer import load_tokenizer
+from flare.models.config import ModelConfig
+from flare.models.recipe import RECIPE_VERSIONS, recipe_for
+from flare.prepare.plan import CapacityPlan, dtype_from_name, dtype_name, make_plan, memory_report
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class LoadedPackage:
+    """A checked package in memory.
+
+    Attributes:
+        path: the package folder.
+        manifest: its manifest.
+        config: model hyper-parameters (from `manifest.config`).
+        plan: capacity plan serve allocates from.
+        tensors: HF name -> tensor on the requested device, serving dtype.
+        tokenizer: transformers tokenizer with `chat_template`.
+    """
+
+    path: Path
+    manifest: Manifest
+    config: ModelConfig
+    plan: CapacityPlan
+    tensors: dict[str, torch.Tensor]
+    tokenizer: PreTrainedTokenizerBase
+
+
+def _stage(msg: str, progress: bool) -> None:
+    if progress:
+        tqdm.write(f"[flare prepare] {msg}", file=sys.stderr)
+
+
+def device_total_bytes(device: str) -> int:
+    """Total memory of `device` in bytes: physical RAM on CPU (sysconf), the GPU's total
+    on CUDA (`torch.cuda.mem_get_info`)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[1])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _cpu_threads() -> tuple[int, str]:
+    # Cores this process may run on (container/taskset limits), not the host's count.
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)), "len(os.sched_getaffinity(0))"
+    return os.cpu_count() or 1, "os.cpu_count()"
+
+
+def tuning_for(device: str, plan: CapacityPlan) -> dict[str, Any]:
+    """Tuning choices recorded in the manifest. Nothing is measured yet: the dict says so."""
+    if torch.device(device).type == "cpu":
+        threads, how = _cpu_threads()
+        return {"torch_num_threads": threads, "threads_from": how,
+                "max_batch_tokens": plan.max_batch_tokens, "measured": False}
+    return {"max_batch_tokens": plan.max_batch_tokens, "measured": False}
+
+
+def graph_capture_for(device: str) -> dict[str, Any]:
+    """The graph capture plan: nothing is captured on CPU (no CUDA graphs); on CUDA
+    capture is not implemented yet."""
+    if torch.device(device).type == "cpu":
+        return {"enabled": False, "reason": "CPU: CUDA graphs do not apply"}
+    return {"enabled": False, "reason": "graph capture not implemented yet"}
+
+
+def write_package(
+    ckpt: Checkpoint,
+    out_dir: Path,
+    *,
+    max_seq_len: int | None = None,
+    max_num_seqs: int = 8,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    max_batch_tokens: int = 512,
+    model_name: str | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> Manifest:
+    """Plan, tune and write a package from a loaded checkpoint (its tensors' dtype is the
+    serving dtype). See `prepare_package` for arguments and errors."""
+    out_dir = Path(out_dir)
+    _refuse_foreign_folder(out_dir)
+    serving_dtype = dtype_name(next(iter(ckpt.tensors.values())).dtype)
+    dtype_from_name(serving_dtype)  # refuse a dtype the plan does not know
+    device_class = device_class_of(device)
+    recipe = recipe_for(ckpt.config)
+
+    _stage("planning", progress)
+    plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                     page_size=page_size, num_pages=num_pages,
+                     max_batch_tokens=max_batch_tokens, dtype=serving_dtype)
+    report = memory_report(ckpt.config, plan, ckpt.weights_bytes, device_total_bytes(device))
+
+    _stage(f"writing {ckpt.weights_bytes / 2**20:,.0f} MiB of weights to {out_dir}", progress)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(ckpt.tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        ckpt.tokenizer.save_pretrained(str(tmp))
+        payload = scan_payload(tmp)
+        manifest = Manifest(
+            execution_abi=EXECUTION_ABI,
+            prepared_contract=PREPARED_CONTRACT,
+            package_id=payload_id(payload),
+            model_name=model_name or ckpt.name,
+            recipe=recipe,
+            recipe_version=RECIPE_VERSIONS[recipe],
+            source=ckpt.source,
+            config=ckpt.config.to_hf(),
+            dtype=serving_dtype,
+            device_class=device_class,
+            plan=plan.to_dict(),
+            memory=report.to_dict(),
+            tuning=tuning_for(device, plan),
+            graph_capture=graph_capture_for(device),
+            flare_version=flare.__version__,
+            torch_version=torch.__version__,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            payload=payload,
+        )
+        manifest.write(tmp)
+        _swap_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _stage(f"done: package {manifest.package_id[:12]} at {out_dir}", progress)
+    return manifest
+
+
+def prepare_package(
+    model_path: Path,
+    out_dir: Path,
+    *,
+    max_seq_len: int | None = None,
+    max_num_seqs: int = 8,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    max_batch_tokens: int = 512,
+    dtype: str = "float32",
+    model_name: str | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> Manifest:
+    """Build a runtime package from a GGUF file or a Hugging Face folder.
+
+    Stages (shown on stderr when `progress`): loading, dequantizing, planning, writing.
+    The embedded model (135M, fp32) takes about 15 s on 2 cores, writing 540 MB.
+
+    Args:
+        model_path: `.gguf` file or Hugging Face folder.
+        out_dir: package folder to create; an existing package there is replaced
+            atomically (a temporary sibling folder is renamed into place).
+        max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens: capacity plan
+            (see `flare.prepare.plan.make_plan`; None = its default).
+        dtype: serving dtype name: "float32", "bfloat16" or "float16".
+        model_name: overrides the name taken from the file or folder.
+        device: "cpu" or "cuda[:N]": the device class the package is prepared for; its
+            total memory bounds the plan.
+
+    Returns:
+        The written manifest.
+
+    Raises:
+        FileNotFoundError: model path or a file it needs is missing.
+        ValueError: bad dtype or plan value, a plan that does not fit the device,
+            unsupported model, or `out_dir` an existing non-package folder.
+        PackageError: `device` is CUDA on a machine without CUDA.
+    """
+    torch_dtype = dtype_from_name(dtype)
+    checkpoint_format(Path(model_path))  # fail before the slow load
+    device_class_of(device)
+    _refuse_foreign_folder(Path(out_dir))
+    _stage(f"loading {model_path}", progress)
+    ckpt = load_checkpoint(Path(model_path), dtype=torch_dtype, progress=progress)
+    return write_package(ckpt, out_dir, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                         page_size=page_size, num_pages=num_pages,
+                         max_batch_tokens=max_batch_tokens, model_name=model_name,
+                         device=device, progress=progress)
+
+
+def _refuse_foreign_folder(out_dir: Path) -> None:
+    # Replacing a package is fine; replacing someone's unrelated folder is not.
+    if out_dir.exists() and (not out_dir.is_dir() or (
+            any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).is_file())):
+        raise ValueError(f"output {str(out_dir)!r} exists and is not a flare package; "
+                         f"refusing to replace it (choose another --out or remove it)")
+
+
+def _swap_into_place(tmp: Path, out_dir: Path) -> None:
+    # rename() cannot replace a non-empty folder: move the old package aside first, so
+    # out_dir always names either the old or the new complete package.
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_package(path: Path, device: str = "cpu") -> LoadedPackage:
+    """Check a package (`flare.contract.check_package`) and load it.
+
+    Args:
+        path: package folder.
+        device: where the tensors go ("cpu", "cuda", "cuda:1"); its device class must
+            equal the package's.
+
+    Raises:
+        PackageError: the package fails a check (message names expected and found).
+    """
+    path = Path(path)
+    manifest = check_package(path, device_class=device_class_of(device))
+    tensors = load_file(str(path / WEIGHTS_NAME), device=str(torch.device(device)))
+    tokenizer = load_tokenizer(path)
+    return LoadedPackage(path=path, manifest=manifest,
+                         config=ModelConfig.from_hf(manifest.config),
+                         plan=CapacityPlan.from_dict(manifest.plan),
+                         tensors=tensors, tokenizer=tokenizer)
+
+
+def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
+                  device: str = "cpu", **plan_kwargs: Any) -> str | None:
+    """Why the package at `package` cannot stand for preparing `model_path` with these
+    settings, or None when it can: it must pass `check_package`, come from the same source
+    files (format and per-file sha256), and have the same dtype and the plan these
+    settings would make."""
+    try:
+        manifest = check_package(package, device_class=device_class_of(device))
+    except PackageError as exc:
+        return str(exc)
+    want = source_identity(Path(model_path))
+    have = manifest.source
+    if (have.get("format"), have.get("files")) != (want["format"], want["files"]):
+        return f"source changed: package built from {have.get('files')}, model is {want['files']}"
+    if manifest.dtype != dtype:
+        return f"dtype differs: package {manifest.dtype}, wanted {dtype}"
+    plan = make_plan(ModelConfig.from_hf(manifest.config), dtype=dtype, **plan_kwargs)
+    if plan.to_dict() != manifest.plan:
+        return f"plan differs: package {manifest.plan}, wanted {plan.to_dict()}"
+    return None
+
+
+def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
+                   model_name: str | None = None, device: str = "cpu", progress: bool = True,
+                   **plan_kwargs: Any) -> Path:
+    """A checked package for `model_path` under `cache_dir`, reused when valid.
+
+    The package lives at `cache_dir/<model name>-<dtype>`. It is reused when
+    `reuse_problem` finds nothing wrong (contract, payload hashes, same source files,
+    dtype, plan); otherwise it is rebuilt with `prepare_package` (the reason is shown
+    when `progress`).
+
+    Args:
+        plan_kwargs: max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens.
+
+    Returns:
+        The package folder.
+
+    Raises:
+        As `prepare_package`.
+    """
+    model_path = Path(model_path)
+    checkpoint_format(model_path)
+    name = model_name or default_model_name(model_path)
+    out = Path(cache_dir) / f"{name}-{dtype}"
+    if (out / MANIFEST_NAME).is_file():
+        problem = reuse_problem(out, model_path, dtype=dtype, device=device, **plan_kwargs)
+        if problem is None:
+            _stage(f"reusing package {read_manifest(out).package_id[:12]} at {out}", progress)
+            return out
+        _stage(f"rebuilding {out}: {problem}", progress)
+    prepare_package(model_path, out, dtype=dtype, model_name=model_name, device=device,
+                    progress=progress, **plan_kwargs)
+    return out
+

@@ -245,3 +245,36 @@ def test_text_held_back_for_a_possible_stop_string_is_sent_when_a_stop_token_end
     outs = solo(engine, ids, held)
     assert outs[-1].finish_reason == "stop"
     assert text(outs) == expected
+
+
+class ForcedTokens:
+    """A TokenConstraint that allows exactly one token at each step, then is done."""
+
+    def __init__(self, forced: list[int]) -> None:
+        self.forced, self.i = forced, 0
+
+    def allowed(self, vocab_size: int):
+        import torch
+
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.forced[self.i]] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        assert token_id == self.forced[self.i]
+        self.i += 1
+
+    def is_done(self) -> bool:
+        return self.i == len(self.forced)
+
+
+def test_token_constraint_masks_sampling_and_finishes_with_stop(tiny):
+    engine = make_engine(tiny)
+    forced = tiny.tokenizer.encode('{"a": 1}', add_special_tokens=False)
+    req = GenerationRequest("c", prompts(tiny, 1)[0],
+                            SamplingParams(max_tokens=50, temperature=1.0, seed=3),
+                            constraint=ForcedTokens(forced))
+    outs = engine.run_until_idle([req])["c"]
+    assert tokens(outs) == forced and text(outs) == '{"a": 1}'
+    assert outs[-1].finish_reason == "stop"
+    assert_pools_back_to_baseline(engine)

@@ -303,6 +303,11 @@ class Engine:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows)])
         sampling = [c.seq for c in chunks if c.samples]
+        for row, seq in enumerate(sampling):
+            constraint = seq.request.constraint
+            allowed = constraint.allowed(logits.shape[-1]) if constraint is not None else None
+            if allowed is not None:
+                logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
         return sample(logits, [s.request.params for s in sampling],
                       [s.generator for s in sampling])
 
@@ -316,8 +321,11 @@ class Engine:
         if token in text_state.stop_ids:
             self._finish(seq, "stop", new_tokens=[token])
             return
+        constraint = seq.request.constraint
+        if constraint is not None:
+            constraint.advance(token)
         text, stopped = text_state.stops.push(text_state.detok.push(token))
-        if stopped:
+        if stopped or (constraint is not None and constraint.is_done()):
             self._finish(seq, "stop", new_tokens=[token], text=text)
         elif len(seq.token_ids) >= seq.max_len:
             self._finish(seq, "length", new_tokens=[token], text=text)

@@ -8,7 +8,10 @@ for that request. Nothing here knows about HTTP or about tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -55,6 +58,26 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """A per-request constraint on which token may come next (e.g. a JSON grammar).
+
+    The engine calls `allowed()` before each sampling of the request, masks every other
+    token out of the logits, samples, then calls `advance(token)`. When `is_done()` is
+    True after an advance, the sequence finishes with "stop". One object per request: it
+    is stateful and is only called from the engine thread.
+    """
+
+    def allowed(self, vocab_size: int) -> "torch.Tensor | None":
+        """Bool mask [vocab_size] of tokens allowed next, or None when any is."""
+
+    def advance(self, token_id: int) -> None:
+        """Record that `token_id` was sampled."""
+
+    def is_done(self) -> bool:
+        """Whether the constrained output is complete (nothing more may follow)."""
+
+
 @dataclass
 class GenerationRequest:
     """One sequence to generate.
@@ -64,12 +87,14 @@ class GenerationRequest:
         prompt_token_ids: the full prompt, already templated and tokenized.
         params: sampling and stopping.
         arrival_ns: `time.monotonic_ns()` when the server received it (server clock).
+        constraint: optional token constraint (structured output, forced tool calls).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_ns: int = 0
+    constraint: TokenConstraint | None = None
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,7 @@ class Engine:
         for seq, tok in zip(sampled, tokens):
             self._append(seq, tok)
 
+    @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the chunks and sample a token for every chunk that reaches its end."""
         ids, positions, slots, prefills, last_rows = [], [], [], [], []

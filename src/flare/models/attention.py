@@ -23,12 +23,16 @@ class PrefillChunk:
         gather: int64 [ctx_len], cache slots of positions 0..ctx_len-1.
         mask: bool [length, ctx_len] (True = attend), or None when the chunk is the whole
             context (plain causal attention).
+        state_slot: for hybrid recipes, the slot of the sequence's conv/recurrent states
+            (holding the state at position ctx_len - length on entry; the recipe leaves the
+            state at ctx_len in it). -1 for KV-only recipes.
     """
 
     start: int
     length: int
     gather: torch.Tensor
     mask: torch.Tensor | None
+    state_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -39,11 +43,14 @@ class DecodeGroup:
         num_seqs: B, the number of decode tokens.
         gather: int64 [B, M], cache slots of each sequence's positions, padded to M.
         mask: bool [B, 1, 1, M] (True = attend), or None when no row is padded.
+        state_slots: int64 [B], for hybrid recipes the conv/recurrent state slot of each
+            sequence (updated in place by one token); None for KV-only recipes.
     """
 
     num_seqs: int
     gather: torch.Tensor
     mask: torch.Tensor | None
+    state_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,10 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache, not computed.
         timings: server clock, filled on the final output.
         error: set when the engine failed this request (finish_reason is "abort").
+        reuse: on the final output, how the prompt's cached state was looked up and used:
+            {"outcome": "NoMatch" | "CostRejected" | "CapacityRejected" |
+            "EnqueueRejected" | "Admitted", "matched_tokens": int, "reused_tokens": int};
+            None when the engine has no prefix cache.
     """
 
     request_id: str
@@ -136,3 +140,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timings: RequestTimings | None = None
     error: str | None = None
+    reuse: dict[str, object] | None = None

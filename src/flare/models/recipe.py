@@ -6,11 +6,50 @@ so that planning, pools and reuse treat KV-only and hybrid models through the sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flare.models.config import ModelConfig
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class LayerStateSpec:
+    """The fixed-size, per-sequence state of one hybrid layer (one *state slot*'s share).
+
+    Shapes exclude the slot axis: a `StateSlotPool` holds `[num_slots, *conv_shape]` and
+    `[num_slots, *recurrent_shape]` for the layer. An empty shape means "none of this kind".
+
+    Attributes:
+        layer: index of the layer in the model (0-based, over all layers).
+        conv_shape: causal-conv window, `(channels, kernel - 1)`: the inputs of the last
+            kernel-1 tokens, channels first (the layout of causal-conv1d kernels).
+        conv_dtype: element type of the conv state (the serving dtype).
+        recurrent_shape: e.g. `(num_v_heads, head_k_dim, head_v_dim)` for Gated DeltaNet.
+        recurrent_dtype: element type of the recurrent state (float32: it accumulates).
+    """
+
+    layer: int
+    conv_shape: tuple[int, ...] = ()
+    conv_dtype: torch.dtype = torch.float32
+    recurrent_shape: tuple[int, ...] = ()
+    recurrent_dtype: torch.dtype = torch.float32
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes this layer adds to one state slot."""
+        n = 0
+        if self.conv_shape:
+            n += math.prod(self.conv_shape) * _elem_bytes(self.conv_dtype)
+        if self.recurrent_shape:
+            n += math.prod(self.recurrent_shape) * _elem_bytes(self.recurrent_dtype)
+        return n
 
 
 @dataclass(frozen=True)
@@ -23,6 +62,10 @@ class StateLayout:
         head_dim: channels per head.
         page_size: tokens per KV page.
         dtype: element type of the KV pool.
+        kv_layers: model layer index of each KV layer, in KV-cache order (`kv.k[j]` belongs
+            to layer `kv_layers[j]`); empty for dense recipes, where it is `0..n-1`.
+        layer_states: conv / recurrent state of each hybrid layer, in layer order; empty
+            for KV-only recipes. A sequence of a hybrid recipe holds one state slot.
     """
 
     num_kv_layers: int
@@ -30,6 +73,35 @@ class StateLayout:
     head_dim: int
     page_size: int
     dtype: torch.dtype
+    kv_layers: tuple[int, ...] = ()
+    layer_states: tuple[LayerStateSpec, ...] = ()
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when sequences also hold a state slot (conv and/or recurrent states)."""
+        return bool(self.layer_states)
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one state slot: all layers' conv and recurrent states (0 if KV-only)."""
+        return sum(s.bytes_per_slot for s in self.layer_states)
+
+    def describe(self) -> dict[str, Any]:
+        """The layout as a JSON-able dict (for the manifest: a package whose layout differs
+        from the runtime's recipe must be refused, and this is what to compare)."""
+        def dt(d: torch.dtype) -> str:
+            return str(d).removeprefix("torch.")
+        return {
+            "num_kv_layers": self.num_kv_layers, "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "page_size": self.page_size, "dtype": dt(self.dtype),
+            "kv_layers": list(self.kv_layers or range(self.num_kv_layers)),
+            "layer_states": [
+                {"layer": s.layer, "conv_shape": list(s.conv_shape),
+                 "conv_dtype": dt(s.conv_dtype), "recurrent_shape": list(s.recurrent_shape),
+                 "recurrent_dtype": dt(s.recurrent_dtype)}
+                for s in self.layer_states],
+            "state_bytes_per_slot": self.state_bytes_per_slot,
+        }
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -49,6 +121,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "llama",
 }
 RECIPE_VERSIONS = {"llama": 1}
+
+# Hybrid recipes (conv / recurrent state slots besides KV pages). Kept apart from
+# SUPPORTED_ARCHITECTURES until the loader, plan and engine run them: merging these into
+# SUPPORTED_ARCHITECTURES (and RECIPE_VERSIONS) is the switch that turns them on.
+HYBRID_ARCHITECTURES = {
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # real Qwen3.5 folders: text model only
+    "Lfm2ForCausalLM": "lfm2",
+}
+HYBRID_RECIPE_VERSIONS = {"qwen3_5": 1, "lfm2": 1}
 
 
 def recipe_for(config: ModelConfig) -> str:
@@ -75,3 +157,26 @@ def state_layout(config: ModelConfig, page_size: int, dtype: torch.dtype) -> Sta
         page_size=page_size,
         dtype=dtype,
     )
+
+
+def hybrid_state_layout(recipe: str, hf_config: dict[str, Any], page_size: int,
+                        dtype: torch.dtype) -> StateLayout:
+    """The state layout of a hybrid recipe, from the model's `config.json` dict.
+
+    Args:
+        recipe: "qwen3_5" or "lfm2" (a value of `HYBRID_ARCHITECTURES`).
+        hf_config: the transformers config dict (`Checkpoint.hf_config`).
+        page_size: tokens per KV page; dtype: serving dtype (KV pool and conv states;
+            recurrent states are float32 whatever the serving dtype).
+
+    Raises:
+        ValueError: an unknown recipe, or a config the recipe cannot read (named).
+    """
+    if recipe == "qwen3_5":
+        from flare.models.qwen3_5 import Qwen3_5Config, state_layout as layout
+        return layout(Qwen3_5Config.from_hf(hf_config), page_size, dtype)
+    if recipe == "lfm2":
+        from flare.models.lfm2 import Lfm2Config, state_layout as layout
+        return layout(Lfm2Config.from_hf(hf_config), page_size, dtype)
+    raise ValueError(f"recipe {recipe!r} is not a hybrid recipe; "
+                     f"hybrid: {sorted(HYBRID_RECIPE_VERSIONS)}")

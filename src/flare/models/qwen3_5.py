@@ -1,0 +1,461 @@
+"""Recipe `qwen3_5`: the text model of Qwen3.5 (transformers' `Qwen3_5ForCausalLM`).
+
+A hybrid decoder: most layers are Gated DeltaNet (`linear_attention`: a causal depthwise
+conv over the q/k/v mix, then a per-head gated delta rule with a recurrent state
+[Hv, Dk, Dv]), every few layers one `full_attention` layer (gated output, partial RoPE,
+zero-centred q/k RMSNorm) over the paged KV cache; every layer ends in a dense SwiGLU MLP.
+
+Per sequence the state is: KV pages of the full-attention layers (`kv.k[j]` is the j-th
+full-attention layer), plus one state slot (`StateSlotPool`) holding each DeltaNet layer's
+conv window (the last kernel-1 q/k/v inputs) and recurrent state, both at the position
+after the last token the forward has seen. Prefill chunks continue from their slot (the
+chunked gated delta rule below), decode tokens take one recurrent step. Weight names are
+transformers' (`model.layers.N.linear_attn.in_proj_qkv.weight`, ...), so a saved
+`Qwen3_5ForCausalLM` folder loads as is; a Qwen3.5 hub folder (`...ForConditionalGeneration`,
+`model.language_model.*`) loads through `text_model_tensors`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flare.models.attention import AttentionBatch, paged_attention
+from flare.models.hybrid_common import (apply_rope, causal_conv, check_state_slots, eos_ids,
+                                        rms_norm, rms_norm_offset, rope_tables, rope_theta)
+from flare.models.recipe import LayerStateSpec, StateLayout
+from flare.state.pools import KVCache
+from flare.state.slots import StateSlotPool
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config:
+    """Hyper-parameters of the Qwen3.5 text model, in transformers' naming."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "Qwen3_5Config":
+        """Read a `config.json` dict: flat (`Qwen3_5ForCausalLM`, model_type "qwen3_5_text")
+        or nested under `text_config` (`Qwen3_5ForConditionalGeneration`).
+
+        Raises:
+            ValueError: a missing required field, an unsupported activation, RoPE type or
+                layer type, or head counts that do not divide (named).
+        """
+        text = cfg.get("text_config") or cfg
+        arch = (cfg.get("architectures") or ["Qwen3_5ForCausalLM"])[0]
+        try:
+            n = int(text["num_hidden_layers"])
+            hidden = int(text["hidden_size"])
+            heads = int(text["num_attention_heads"])
+            types = text.get("layer_types")
+            if types is None:  # transformers' default: every 4th layer is full attention
+                every = int(text.get("full_attention_interval", 4))
+                types = [LINEAR if (i + 1) % every else FULL for i in range(n)]
+            params = text.get("rope_parameters") or {}
+            tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            c = cls(
+                architecture=arch,
+                vocab_size=int(text["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(text["intermediate_size"]),
+                num_hidden_layers=n,
+                layer_types=tuple(types),
+                num_attention_heads=heads,
+                num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+                head_dim=int(text.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta(text, 10000.0),
+                partial_rotary_factor=float(params.get(
+                    "partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+                max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+                tie_word_embeddings=bool(tie),
+                attention_bias=bool(text.get("attention_bias", False)),
+                linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+                linear_key_head_dim=int(text["linear_key_head_dim"]),
+                linear_value_head_dim=int(text["linear_value_head_dim"]),
+                linear_num_key_heads=int(text["linear_num_key_heads"]),
+                linear_num_value_heads=int(text["linear_num_value_heads"]),
+                bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
+                eos_token_ids=eos_ids(text) or eos_ids(cfg),
+            )
+        except KeyError as exc:
+            raise ValueError(f"qwen3_5 config lacks required field {exc.args[0]!r}") from None
+        act = text.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"qwen3_5: hidden_act {act!r} is not supported (silu)")
+        if len(c.layer_types) != n or set(c.layer_types) - {LINEAR, FULL}:
+            raise ValueError(f"qwen3_5: layer_types must be {n} of {LINEAR!r} / {FULL!r}, "
+                             f"got {list(c.layer_types)}")
+        if c.linear_num_value_heads % c.linear_num_key_heads or heads % c.num_key_value_heads:
+            raise ValueError("qwen3_5: value heads must be a multiple of key heads")
+        return c
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the DeltaNet conv: q, k and v together."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+
+def state_layout(config: Qwen3_5Config, page_size: int, dtype: torch.dtype) -> StateLayout:
+    """KV pages for the full-attention layers; per DeltaNet layer a conv state
+    [conv_dim, kernel-1] of `dtype` and a float32 recurrent state [Hv, Dk, Dv]."""
+    c = config
+    rec = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    return StateLayout(
+        num_kv_layers=len(c.full_attention_layers),
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        kv_layers=c.full_attention_layers,
+        layer_states=tuple(
+            LayerStateSpec(layer=i, conv_shape=(c.conv_dim, c.linear_conv_kernel_dim - 1),
+                           conv_dtype=dtype, recurrent_shape=rec,
+                           recurrent_dtype=torch.float32)
+            for i in c.linear_attention_layers),
+    )
+
+
+def expected_tensor_names(config: Qwen3_5Config) -> set[str]:
+    """Tensor names of a `Qwen3_5ForCausalLM` of `config` (after `text_model_tensors`)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i, kind in enumerate(config.layer_types):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        if kind == LINEAR:
+            a = p + "linear_attn."
+            names |= {a + n for n in ("A_log", "dt_bias", "conv1d.weight", "norm.weight",
+                                      "in_proj_qkv.weight", "in_proj_z.weight",
+                                      "in_proj_b.weight", "in_proj_a.weight",
+                                      "out_proj.weight")}
+        else:
+            a = p + "self_attn."
+            names |= {f"{a}{n}_proj.weight" for n in "qkvo"}
+            names |= {a + "q_norm.weight", a + "k_norm.weight"}
+            if config.attention_bias:
+                names |= {f"{a}{n}_proj.bias" for n in "qkvo"}
+    return names
+
+
+def text_model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors of a Qwen3.5 folder in `Qwen3_5ForCausalLM` naming: a multimodal
+    checkpoint's `model.language_model.*` becomes `model.*`; the vision tower
+    (`model.visual.*`) and the multi-token-prediction head (`mtp.*`) are dropped, as
+    transformers drops them when it loads the text model."""
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith(("model.visual.", "mtp.")):
+            continue
+        out[name.replace("model.language_model.", "model.", 1)] = t
+    return out
+
+
+# ---- the gated delta rule ---------------------------------------------------------------
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for each of B sequences (the decode step, and
+    the token-by-token reference of the chunked form).
+
+    S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
+
+    Args:
+        q, k: [B, H, Dk] float32, L2-normalised (q also scaled by Dk^-0.5).
+        v: [B, H, Dv] float32; g (log decay, <= 0), beta: [B, H] float32.
+        state: [B, H, Dk, Dv] float32, the state before the token.
+
+    Returns:
+        (o [B, H, Dv], the state after the token), float32.
+    """
+    state = state * g.exp()[..., None, None]
+    pred = (state * k.unsqueeze(-1)).sum(-2)  # [B, H, Dv]: what S already recalls for k
+    u = (v - pred) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * u.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(-2), state
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence's T tokens, `chunk_size` tokens at a time.
+
+    Within a chunk starting from state S0, with G_i the cumulative log decay up to token i,
+    the corrections u_i solve (I + L) U = beta V - (beta e^G K) S0 with
+    L_ij = beta_i e^(G_i - G_j) k_i.k_j (j < i); then o_i = e^(G_i) S0^T q_i +
+    sum_(j<=i) e^(G_i - G_j) (q_i.k_j) u_j and S = e^(G_C) S0 + sum_j e^(G_C - G_j) k_j u_j^T.
+    The same numbers as `gated_delta_step` applied token by token, up to rounding.
+
+    Args:
+        q, k: [T, H, Dk] float32, L2-normalised (q also scaled by Dk^-0.5).
+        v: [T, H, Dv] float32; g, beta: [T, H] float32.
+        state: [H, Dk, Dv] float32, the state before the first token.
+
+    Returns:
+        (o [T, H, Dv], the state after the last token), float32.
+    """
+    t, h, dk = k.shape
+    dv = v.shape[-1]
+    c = min(chunk_size, t)  # a short chunk is one block, unpadded
+    n = -(-t // c)
+    pad = n * c - t  # zero padding at the end is inert: k = 0 and g = 0 keep S as it is
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).view(n, c, h, -1).permute(2, 0, 1, 3)
+               for x in (q, k, v))  # [H, N, C, D]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).view(n, c, h).permute(2, 0, 1) for x in (g, beta))
+    gc = g.cumsum(-1)  # [H, N, C] log decay from the chunk's start through each token
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, -math.inf).exp()
+    kb = k * beta.unsqueeze(-1)
+    system = (kb @ k.transpose(-1, -2)) * decay  # [H, N, C, C]; read below the diagonal
+    rhs = torch.cat([v * beta.unsqueeze(-1), kb * gc.exp().unsqueeze(-1)], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_v, u_s = sol.split([dv, dk], dim=-1)  # U = u_v - u_s @ S0
+    attn = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C], diagonal included
+    q_decayed = q * gc.exp().unsqueeze(-1)
+    k_decayed = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)  # decay to the chunk's end
+    chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty(h, n, c, dv, dtype=q.dtype, device=q.device)
+    for i in range(n):
+        u = u_v[:, i] - u_s[:, i] @ state  # [H, C, Dv]
+        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ u
+        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ u
+    return out.permute(1, 2, 0, 3).reshape(n * c, h, dv)[:t], state
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # as fla / transformers
+
+
+# ---- the model --------------------------------------------------------------------------
+
+@dataclass
+class _DeltaNet:
+    in_proj: torch.Tensor  # [conv_dim + Hv*Dv + 2 Hv, hidden]: qkv | z | b | a
+    conv: torch.Tensor  # [conv_dim, K]
+    neg_a: torch.Tensor  # [Hv] float32, -exp(A_log)
+    dt_bias: torch.Tensor  # [Hv] float32
+    norm: torch.Tensor  # [Dv]
+    out_proj: torch.Tensor  # [hidden, Hv*Dv]
+
+
+@dataclass
+class _Attention:
+    qkv: torch.Tensor  # [H*2D + 2 KVH*D, hidden]: per head (query | gate), then k, v
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    o_proj: torch.Tensor  # [hidden, H*D]
+    o_bias: torch.Tensor | None
+    kv_index: int  # this layer's index into kv.k / kv.v
+
+
+@dataclass
+class _Block:
+    index: int
+    input_norm: torch.Tensor  # [hidden]
+    mixer: _DeltaNet | _Attention
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor  # [hidden, I]
+
+
+class Qwen3_5Model:
+    """The Qwen3.5 text decoder over a paged KV cache and a state-slot pool.
+
+    Args:
+        config: model hyper-parameters.
+        tensors: `Qwen3_5ForCausalLM`-named weights (see `text_model_tensors`), in the
+            serving dtype, on the serving device.
+        max_positions: size of the RoPE table (the plan's max sequence length).
+
+    Raises:
+        ValueError: a tensor is missing (named).
+    """
+
+    def __init__(self, config: Qwen3_5Config, tensors: dict[str, torch.Tensor],
+                 max_positions: int) -> None:
+        self.config = c = config
+
+        def w(name: str) -> torch.Tensor:
+            try:
+                return tensors[name]
+            except KeyError:
+                raise ValueError(f"weights lack tensor {name!r}") from None
+
+        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
+        self.final_norm = w("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        kv_index = {layer: j for j, layer in enumerate(c.full_attention_layers)}
+        self.blocks: list[_Block] = []
+        for i, kind in enumerate(c.layer_types):
+            p = f"model.layers.{i}."
+            mixer: _DeltaNet | _Attention
+            if kind == LINEAR:
+                a = p + "linear_attn."
+                mixer = _DeltaNet(
+                    in_proj=torch.cat([w(a + "in_proj_qkv.weight"), w(a + "in_proj_z.weight"),
+                                       w(a + "in_proj_b.weight"), w(a + "in_proj_a.weight")]),
+                    conv=w(a + "conv1d.weight").squeeze(1),
+                    neg_a=-w(a + "A_log").float().exp(),
+                    dt_bias=w(a + "dt_bias").float(),
+                    norm=w(a + "norm.weight"),
+                    out_proj=w(a + "out_proj.weight"))
+            else:
+                a = p + "self_attn."
+                bias = None
+                if c.attention_bias:
+                    bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
+                mixer = _Attention(
+                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]),
+                    qkv_bias=bias, q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"),
+                    o_proj=w(a + "o_proj.weight"),
+                    o_bias=w(a + "o_proj.bias") if c.attention_bias else None,
+                    kv_index=kv_index[i])
+            self.blocks.append(_Block(
+                index=i, input_norm=w(p + "input_layernorm.weight"), mixer=mixer,
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight")))
+        self.cos, self.sin = rope_tables(c.rope_theta, c.rotary_dim, max_positions,
+                                         self.embed.dtype, self.embed.device)
+
+    @classmethod
+    def from_hf(cls, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                max_positions: int) -> "Qwen3_5Model":
+        """Build from a `config.json` dict and a folder's tensors (either naming)."""
+        return cls(Qwen3_5Config.from_hf(hf_config), text_model_tensors(tensors), max_positions)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: KVCache, states: StateSlotPool) -> torch.Tensor:
+        """Run the decoder over the step's tokens.
+
+        Args:
+            input_ids: int64 [T], the step's new tokens (decode tokens first, then chunks).
+            positions: int64 [T], each token's position in its sequence.
+            batch: K/V slots and gathers, plus each group's state slot (`decode.state_slots`,
+                `PrefillChunk.state_slot`), which must hold the state at the group's first
+                position.
+            kv: paged cache of the full-attention layers (`batch.slot_mapping` is written).
+            states: conv and recurrent states; the batch's slots are advanced in place to
+                the position after each group's last token.
+
+        Returns:
+            Final hidden states [T, hidden] after the last norm, in the serving dtype.
+
+        Raises:
+            ValueError: a group of the batch has no state slot.
+        """
+        check_state_slots(batch)
+        x = self.embed[input_ids]  # [T, hidden]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, R]
+        sin = self.sin[positions].unsqueeze(1)
+        eps = self.config.rms_norm_eps
+        for blk in self.blocks:
+            y = rms_norm_offset(x, blk.input_norm, eps)
+            if isinstance(blk.mixer, _DeltaNet):
+                x = x + self._delta_net(y, blk.mixer, blk.index, batch, states)
+            else:
+                x = x + self._attention(y, blk.mixer, cos, sin, batch, kv)
+            y = rms_norm_offset(x, blk.post_norm, eps)
+            gate, up = F.linear(y, blk.gate_up).chunk(2, dim=-1)  # [T, I] each
+            x = x + F.linear(F.silu(gate) * up, blk.down)
+        return rms_norm_offset(x, self.final_norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits, fp32 [N, vocab], from final hidden states [N, hidden]."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, y: torch.Tensor, m: _Attention, cos: torch.Tensor, sin: torch.Tensor,
+                   batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        c = self.config
+        h, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        t = y.shape[0]
+        qkv = F.linear(y, m.qkv, m.qkv_bias)  # [T, H*2D + 2 KVH*D]
+        qg, k, v = qkv.split([h * 2 * d, kvh * d, kvh * d], dim=-1)
+        q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)  # [T, H, D] each
+        q = apply_rope(rms_norm_offset(q, m.q_norm, c.rms_norm_eps), cos, sin)
+        k = apply_rope(rms_norm_offset(k.view(t, kvh, d), m.k_norm, c.rms_norm_eps), cos, sin)
+        kv.k[m.kv_index].index_copy_(0, batch.slot_mapping, k)
+        kv.v[m.kv_index].index_copy_(0, batch.slot_mapping, v.view(t, kvh, d))
+        o = paged_attention(q, kv.k[m.kv_index], kv.v[m.kv_index], batch, d ** -0.5)
+        o = o.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, h * d))
+        return F.linear(o, m.o_proj, m.o_bias)
+
+    def _delta_net(self, y: torch.Tensor, m: _DeltaNet, layer: int, batch: AttentionBatch,
+                   states: StateSlotPool) -> torch.Tensor:
+        c = self.config
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        t = y.shape[0]
+        mixed, z, b, a = F.linear(y, m.in_proj).split([c.conv_dim, hv * dv, hv, hv], dim=-1)
+        mixed = F.silu(causal_conv(mixed, m.conv, None, batch, states.conv[layer]))
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        # each q/k head serves hv/hk consecutive value heads
+        q = _l2norm(q.view(t, hk, dk).float()).repeat_interleave(hv // hk, dim=1) * dk ** -0.5
+        k = _l2norm(k.view(t, hk, dk).float()).repeat_interleave(hv // hk, dim=1)
+        v = v.view(t, hv, dv).float()
+        beta = b.sigmoid().float()  # [T, Hv]
+        g = m.neg_a * F.softplus(a.float() + m.dt_bias)  # [T, Hv] log decay, <= 0
+        rec = states.recurrent[layer]  # [slots, Hv, Dk, Dv]
+        o = torch.empty(t, hv, dv, dtype=torch.float32, device=y.device)
+        dec = batch.decode
+        if dec is not None:
+            nb, slots = dec.num_seqs, dec.state_slots
+            o[:nb], new = gated_delta_step(q[:nb], k[:nb], v[:nb], g[:nb], beta[:nb],
+                                           rec[slots].float())
+            rec.index_copy_(0, slots, new.to(rec.dtype))
+        for chunk in batch.prefills:
+            s, n, slot = chunk.start, chunk.length, chunk.state_slot
+            o[s:s + n], new = gated_delta_chunked(q[s:s + n], k[s:s + n], v[s:s + n],
+                                                  g[s:s + n], beta[s:s + n], rec[slot].float())
+            rec[slot].copy_(new)
+        # gated RMSNorm per value head: norm (weight in the serving dtype), then silu(z)
+        o = rms_norm(o.to(y.dtype), m.norm, c.rms_norm_eps) * F.silu(z.view(t, hv, dv).float())
+        return F.linear(o.to(y.dtype).reshape(t, hv * dv), m.out_proj)

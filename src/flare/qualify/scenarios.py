@@ -1,0 +1,304 @@
+"""Scenarios: named groups of requests, run one after another (one request at a time).
+
+Every request the harness attempts is listed under its scenario before it is sent and
+becomes exactly one observation, whatever happens to it (ok, failed, cancelled).
+
+Groups: a scenario's measured requests are in the group named like the scenario; requests
+that only set a scenario up (the first turn before a continuation, the stream that gets
+cancelled, the shared history of a branch) are in `<scenario>.setup`.
+
+- `warmup`: one short request, so first-call costs do not land in a measured group.
+- `ttft-512`: cold requests whose prompts are exactly 512 tokens (token ids sent to
+  /v1/completions when the package's tokenizer is known; text of about that size
+  otherwise), each starting with a unique nonce so that nothing can be reused.
+- `miss`: single-turn chats, each with a unique system prompt (nothing to reuse).
+- `device-hit`: a chat (setup), then its continuation with the model's reply and a new
+  user message (the measured request: its prefix was just computed on the device).
+- `cancel`: a stream closed by the client after its first token (setup, cancelled), then
+  the session continued with the partial reply (measured).
+- `branch`: a history (setup), then two different continuations of it (measured).
+- `agent-session`: corpus sessions replayed turn by turn: one request per user message
+  (tool results included), the prompt being the corpus's messages up to it (the corpus's
+  own assistant messages, not the model's replies, so every run sends the same prompts).
+- `agent-session-cold`: the same turns, each with a unique nonce at the start of the system
+  prompt, so nothing can be reused: the "without reuse" baseline.
+- `host-restore`, `restart-restore`: skipped (need the host offload tier, not built yet).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from flare.qualify.client import Client
+
+SKIPPED = {
+    "host-restore": "needs the host (CPU memory) offload tier, which is not built yet",
+    "restart-restore": "needs the disk tier and restore at start-up, which are not built yet",
+}
+
+SYSTEM = "You are a helpful assistant for software developers. Answer briefly."
+QUESTIONS = [
+    "What does a Python context manager do? Give a short example.",
+    "Explain the difference between a list and a tuple in Python.",
+    "How do I read a JSON file in Python and print one of its keys?",
+    "What is a race condition, in two sentences?",
+    "Write a shell command that counts the lines of every .py file in a folder.",
+    "When should I use a dataclass instead of a dict?",
+]
+FOLLOW_UPS = [
+    "Thanks. Now show how to test that with pytest.",
+    "Can you make it shorter?",
+    "What could go wrong with that approach?",
+]
+FILLER = (
+    "The scheduler admits waiting sequences while free pages remain, splits long prompts into "
+    "chunks of at most the batch token budget, and runs decode steps for every running "
+    "sequence together. Each page holds the keys and values of a fixed number of tokens for "
+    "every layer. When a request finishes, its pages return to the pool, unless the prefix "
+    "index still lists them for reuse by a later request with the same beginning. Streaming "
+    "responses send each piece of text as soon as it is known not to end in a stop string. "
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much a run does. `quick()` is the preset the tests use."""
+
+    preset: str = "default"
+    max_tokens: int = 32
+    warmup: int = 1
+    ttft_samples: int = 20
+    ttft_prompt_tokens: int = 512
+    miss: int = 4
+    device_hit: int = 3
+    cancel: int = 2
+    branch: int = 2
+    cancel_max_tokens: int = 64
+    sessions: int | None = None  # None: every corpus session
+    max_turns: int | None = None  # None: every turn
+    cold: bool = True
+    idle_timeout_s: float = 30.0
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> "Settings":
+        base = cls(preset="quick", max_tokens=4, ttft_samples=5, miss=1, device_hit=1,
+                   cancel=1, branch=1, cancel_max_tokens=16, sessions=1, max_turns=3)
+        return replace(base, **overrides)
+
+
+@dataclass
+class ScenarioRecord:
+    name: str
+    status: str = "ran"
+    reason: str | None = None
+    request_ids: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "reason": self.reason,
+                "request_ids": list(self.request_ids)}
+
+
+class Run:
+    """State of one qualification run: observations, scenario records, server snapshots.
+
+    Args:
+        client: the HTTP client.
+        settings: what to run.
+        tokenizer: the package's tokenizer (exact 512-token prompts, token counts), or None.
+        corpus: the loaded agent-session corpus, or None.
+        log: progress lines (stderr).
+    """
+
+    def __init__(self, client: Client, settings: Settings, tokenizer: Any = None,
+                 corpus: dict[str, Any] | None = None,
+                 log: Callable[[str], None] = lambda s: None) -> None:
+        self.client = client
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.corpus = corpus
+        self.log = log
+        self.nonce = uuid.uuid4().hex[:12]
+        self.observations: list[dict[str, Any]] = []
+        self.scenarios: list[ScenarioRecord] = []
+        self.snapshots: list[dict[str, Any]] = []
+        self._current: ScenarioRecord | None = None
+        self._first_tokens: set[int] = set()
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def snapshot(self, label: str) -> None:
+        """Wait (bounded) until the server is idle, then record GET /debug/state."""
+        deadline = time.monotonic() + self.settings.idle_timeout_s
+        state: dict[str, Any] | None = None
+        while True:
+            try:
+                raw = self.client.get_json("/debug/state")
+            except Exception:  # a server without the route: no snapshot, nothing invented
+                return
+            state = {k: v for k, v in raw.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            idle = not state.get("num_running", 0) and not state.get("num_waiting", 0)
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.snapshots.append({"label": label, "client_ns": time.monotonic_ns(), "idle": idle,
+                               "state": state})
+
+    def scenario(self, name: str, body: Callable[[], None]) -> None:
+        rec = ScenarioRecord(name)
+        self.scenarios.append(rec)
+        self._current = rec
+        started = time.monotonic()
+        try:
+            body()
+        except Exception as exc:  # keep what was observed; say why the rest is missing
+            rec.status = "aborted"
+            rec.reason = f"{type(exc).__name__}: {exc}"[:500]
+        finally:
+            self._current = None
+        self.snapshot(f"after:{name}")
+        statuses = [o["status"] for o in self.observations[-len(rec.request_ids):]] \
+            if rec.request_ids else []
+        self.log(f"scenario {name}: {len(rec.request_ids)} requests "
+                 f"({statuses.count('ok')} ok) in {time.monotonic() - started:.1f} s"
+                 + (f"; {rec.status}: {rec.reason}" if rec.status != "ran" else ""))
+
+    def skip(self, name: str, reason: str) -> None:
+        self.scenarios.append(ScenarioRecord(name, "skipped", reason))
+
+    def send(self, group: str, *, messages: list[dict[str, Any]] | None = None,
+             prompt: str | list[int] | None = None, max_tokens: int | None = None,
+             session: str | None = None, turn: int | None = None, cancel: bool = False,
+             prompt_tokens_target: int | None = None) -> tuple[dict[str, Any], str]:
+        rec = self._current
+        assert rec is not None, "send() outside a scenario"
+        rid = f"{rec.name}/{len(rec.request_ids):03d}"
+        rec.request_ids.append(rid)  # listed as sent before it is sent
+        n = max_tokens or self.settings.max_tokens
+        if messages is not None:
+            fields, text = self.client.chat(messages, n, cancel_after_first_token=cancel)
+        else:
+            fields, text = self.client.completion(prompt, n, cancel_after_first_token=cancel)
+        fields["request"]["prompt_tokens_target"] = prompt_tokens_target
+        obs = {"seq": len(self.observations), "request_id": rid, "scenario": rec.name,
+               "group": group, "session": session, "turn": turn, **fields}
+        self.observations.append(obs)
+        return obs, text
+
+    # ------------------------------------------------------------------ prompts
+
+    def system(self, tag: str) -> dict[str, str]:
+        """A system message that starts with a unique id (then `tag`): after the chat
+        template's fixed opening, nothing is shared with any other request."""
+        return {"role": "system", "content": f"[{uuid.uuid4().hex[:16]} {tag}] {SYSTEM}"}
+
+    def ttft_prompt(self, i: int) -> tuple[str | list[int], int | None]:
+        """(prompt, exact token count or None) of the i-th ttft-512 request: token ids whose
+        first token no earlier ttft-512 prompt of this run had (so no prefix can match),
+        or, without a tokenizer, text of about that many tokens starting with a random id."""
+        n = self.settings.ttft_prompt_tokens
+        while True:
+            head = f"{uuid.uuid4().hex[:8]} request {i}: "
+            if self.tokenizer is None:
+                return (head + FILLER * (n * 4 // len(FILLER) + 1))[: n * 4], None
+            text = head + FILLER * (n // 60 + 2)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            while len(ids) < n:
+                text += FILLER
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            if ids[0] not in self._first_tokens:
+                self._first_tokens.add(ids[0])
+                return ids[:n], n
+
+    # ------------------------------------------------------------------ scenarios
+
+    def run_all(self) -> None:
+        s = self.settings
+        self.snapshot("start")
+        self.scenario("warmup", lambda: [
+            self.send("warmup", messages=[self.system(f"warmup-{i}"),
+                                          {"role": "user", "content": "Say hello."}])
+            for i in range(s.warmup)])
+        self.scenario("ttft-512", self._ttft)
+        self.scenario("miss", self._miss)
+        self.scenario("device-hit", self._device_hit)
+        self.scenario("cancel", self._cancel)
+        self.scenario("branch", self._branch)
+        if self.corpus is None:
+            self.skip("agent-session", "no corpus given")
+        else:
+            self.scenario("agent-session", lambda: self._agent(cold=False))
+            if s.cold:
+                self.scenario("agent-session-cold", lambda: self._agent(cold=True))
+            else:
+                self.skip("agent-session-cold", "disabled (--no-cold)")
+        for name, reason in SKIPPED.items():
+            self.skip(name, reason)
+        self.snapshot("end")
+
+    def _ttft(self) -> None:
+        for i in range(self.settings.ttft_samples):
+            prompt, exact = self.ttft_prompt(i)
+            self.send("ttft-512", prompt=prompt,
+                      prompt_tokens_target=exact or self.settings.ttft_prompt_tokens)
+
+    def _miss(self) -> None:
+        for i in range(self.settings.miss):
+            self.send("miss", messages=[self.system(f"miss-{i}"),
+                                        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+
+    def _device_hit(self) -> None:
+        for i in range(self.settings.device_hit):
+            sid = f"hit-{i}"
+            history = [self.system(sid), {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+            _, reply = self.send("device-hit.setup", messages=history, session=sid, turn=0)
+            history += [{"role": "assistant", "content": reply},
+                        {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]}]
+            self.send("device-hit", messages=history, session=sid, turn=1)
+
+    def _cancel(self) -> None:
+        for i in range(self.settings.cancel):
+            sid = f"cancel-{i}"
+            history = [self.system(sid), {"role": "user", "content":
+                       "Explain in detail how a hash map works, with an example in Python."}]
+            _, partial = self.send("cancel.setup", messages=history, session=sid, turn=0,
+                                   cancel=True, max_tokens=self.settings.cancel_max_tokens)
+            history += [{"role": "assistant", "content": partial},
+                        {"role": "user", "content": "Stop there. Summarize it in one line."}]
+            self.send("cancel", messages=history, session=sid, turn=1)
+
+    def _branch(self) -> None:
+        for i in range(self.settings.branch):
+            sid = f"branch-{i}"
+            history = [self.system(sid), {"role": "user", "content":
+                       "Write a Python function that merges two sorted lists."}]
+            _, reply = self.send("branch.setup", messages=history, session=sid, turn=0)
+            history.append({"role": "assistant", "content": reply})
+            for j, ask in enumerate(("Now write pytest tests for it.",
+                                     "Now make it work for any number of lists.")):
+                self.send("branch", messages=history + [{"role": "user", "content": ask}],
+                          session=f"{sid}/{'ab'[j]}", turn=1)
+
+    def _agent(self, cold: bool) -> None:
+        corpus = self.corpus
+        assert corpus is not None
+        group = "agent-session-cold" if cold else "agent-session"
+        stopped = []
+        for session in corpus["sessions"][: self.settings.sessions]:
+            messages = session["messages"]
+            user_idx = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            for turn, idx in enumerate(user_idx[: self.settings.max_turns]):
+                tag = f"{uuid.uuid4().hex[:12]}" if cold else f"run {self.nonce}"
+                system = {"role": "system", "content": f"[{tag}] {corpus['system']}"}
+                obs, _ = self.send(group, messages=[system] + messages[: idx + 1],
+                                   session=session["id"], turn=turn)
+                err = obs["error"] or {}
+                if obs["status"] == "failed" and err.get("type") == "context_length_exceeded":
+                    stopped.append(f"{session['id']} at turn {turn} (context length exceeded)")
+                    break
+        if stopped and self._current is not None:
+            self._current.reason = "sessions stopped early: " + "; ".join(stopped)

@@ -21,9 +21,10 @@ def tiny(tiny_qwen3_dir):
     return load_checkpoint(tiny_qwen3_dir)
 
 
-def make_engine(ckpt, **plan_kw) -> Engine:
+def make_engine(ckpt, prefix_cache: bool = True, **plan_kw) -> Engine:
     kw = {"max_seq_len": 256, "max_num_seqs": 4, "max_batch_tokens": 64, **plan_kw}
-    return Engine(ckpt.config, make_plan(ckpt.config, **kw), ckpt.tensors, ckpt.tokenizer)
+    return Engine(ckpt.config, make_plan(ckpt.config, **kw), ckpt.tensors, ckpt.tokenizer,
+                  prefix_cache=prefix_cache)
 
 
 def tokens(outs) -> list[int]:
@@ -47,9 +48,14 @@ def solo(engine: Engine, ids: list[int], params: SamplingParams = GREEDY) -> lis
 
 
 def assert_pools_back_to_baseline(engine: Engine) -> None:
-    engine.pool.check_integrity()
-    assert engine.pool.num_used == 0
+    """Idle engine: only the prefix index holds pages; clearing it empties the pool."""
+    engine.check_integrity()
     assert not engine.scheduler.running and not engine.scheduler.waiting
+    cached = engine.prefix_index.num_pages if engine.prefix_index else 0
+    assert engine.pool.num_used == cached
+    if engine.prefix_index:
+        engine.prefix_index.clear()
+    assert engine.pool.num_used == 0
 
 
 def test_batched_answers_equal_solo_answers(tiny):
@@ -97,7 +103,7 @@ def test_preempted_sequences_resume_with_the_same_answer(tiny):
 
 
 def test_abort_mid_decode_frees_pages_at_once_and_spares_the_others(tiny):
-    engine = make_engine(tiny)
+    engine = make_engine(tiny, prefix_cache=False)  # a cache would keep the computed pages
     a, b = prompts(tiny, 2)
     expected_b = tokens(solo(engine, b))
     got: dict[str, list] = {"a": [], "b": []}

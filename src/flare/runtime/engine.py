@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +27,9 @@ from flare.runtime.sampling import sample
 from flare.runtime.scheduler import ScheduledChunk, Scheduler
 from flare.runtime.sequence import Sequence, SeqStatus
 from flare.runtime.stop_strings import StopStringMatcher
+from flare.state.admission import CostPolicy, DeviceReuse, ReuseCounters
 from flare.state.pools import KVCache, PagePool
+from flare.state.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +50,11 @@ class _SeqText:
 @dataclass
 class EngineCounters:
     prompt_tokens_total: int = 0
-    cached_prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     requests_finished_total: int = 0
     requests_aborted_total: int = 0
     steps_total: int = 0
     failed_steps_total: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -73,7 +73,8 @@ class Engine:
 
     def __init__(self, config: ModelConfig, plan: CapacityPlan,
                  tensors: dict[str, torch.Tensor], tokenizer: Any,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", *, namespace: str = "",
+                 prefix_cache: bool = True, cost_policy: CostPolicy | None = None) -> None:
         if plan.num_pages < plan.pages_per_seq:
             raise ValueError(
                 f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
@@ -88,8 +89,17 @@ class Engine:
         self.model = LlamaModel(config, tensors, max_positions=plan.max_seq_len)
         self.kv = KVCache(layout_for(config, plan), plan.num_pages, self.device)
         self.pool = PagePool(plan.num_pages)
+        self.reuse_counters = ReuseCounters()
+        self.prefix_index: PrefixIndex | None = None
+        reuse = None
+        if prefix_cache:
+            # the namespace binds cached pages to this package and its page layout
+            self.prefix_index = PrefixIndex(self.pool, plan.page_size,
+                                            f"{namespace}/{plan.page_size}/{plan.dtype}")
+            reuse = DeviceReuse(self.prefix_index, self.kv, cost_policy or CostPolicy(),
+                                self.reuse_counters)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
-                                   plan.max_batch_tokens)
+                                   plan.max_batch_tokens, reuse)
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -106,9 +116,10 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(0)
 
     @classmethod
-    def from_package(cls, package: Any) -> "Engine":
-        """Build from a `flare.prepare.package.LoadedPackage`."""
-        return cls(package.config, package.plan, package.tensors, package.tokenizer)
+    def from_package(cls, package: Any, **kwargs: Any) -> "Engine":
+        """Build from a `flare.prepare.package.LoadedPackage`; `kwargs` as for `Engine`."""
+        return cls(package.config, package.plan, package.tensors, package.tokenizer,
+                   namespace=package.manifest.package_id, **kwargs)
 
     # ---- thread-safe entry points -------------------------------------------------------
 
@@ -170,13 +181,38 @@ class Engine:
             "pages_used": self.pool.num_used,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": c.prompt_tokens_total,
-            "cached_prompt_tokens_total": c.cached_prompt_tokens_total,
+            "prompt_tokens_cached_device_total": self.reuse_counters.reused_tokens,
             "generation_tokens_total": c.generation_tokens_total,
             "requests_finished_total": c.requests_finished_total,
             "requests_aborted_total": c.requests_aborted_total,
             "steps_total": c.steps_total,
             "failed_steps_total": c.failed_steps_total,
+            "prefix_cache_pages": self.prefix_index.num_pages if self.prefix_index else 0,
+            "prefix_cache_evicted_pages_total":
+                self.prefix_index.stats.evicted_pages if self.prefix_index else 0,
+            **self.reuse_counters.as_stats(),
         }
+
+    def check_integrity(self) -> None:
+        """Assert that every page's refcount equals its holders: the sequences whose page
+        table lists it plus the prefix index; and the pools' and index's own invariants.
+
+        Raises:
+            AssertionError: naming the first page whose accounting is off.
+        """
+        self.pool.check_integrity()
+        holders = [0] * self.pool.num_pages
+        for seq in self._seqs.values():
+            for p in seq.pages:
+                holders[p] += 1
+        if self.prefix_index is not None:
+            self.prefix_index.check_integrity()
+            for p in self.prefix_index.held_pages():
+                holders[p] += 1
+        for p, n in enumerate(holders):
+            assert self.pool.refcount(p) == n, (
+                f"page {p}: refcount {self.pool.refcount(p)}, holders {n}")
+        self.reuse_counters.check_conservation()
 
     def run_until_idle(self, requests: list[GenerationRequest]) -> dict[str, list[RequestOutput]]:
         """Run `requests` to completion on the caller's thread; returns each one's outputs.
@@ -268,6 +304,7 @@ class Engine:
         sampled = [c.seq for c in chunks if c.samples]
         for c in chunks:
             c.seq.num_computed += c.num_tokens
+            self._publish_full_pages(c.seq)  # after the step: their K/V is written
         for seq, tok in zip(sampled, tokens):
             self._append(seq, tok)
 
@@ -312,6 +349,33 @@ class Engine:
         return sample(logits, [s.request.params for s in sampling],
                       [s.generator for s in sampling])
 
+    def _publish_full_pages(self, seq: Sequence) -> None:
+        """List every computed, not yet listed full page of `seq` in the prefix index."""
+        index = self.prefix_index
+        if index is None:
+            return
+        ps = self.plan.page_size
+        while (len(seq.page_keys) + 1) * ps <= seq.num_computed:
+            i = len(seq.page_keys)
+            parent = seq.page_keys[-1] if seq.page_keys else index.root
+            key, page = index.publish_full(parent, tuple(seq.token_ids[i * ps:(i + 1) * ps]),
+                                           seq.pages[i])
+            seq.pages[i] = page  # an equal page was already listed: share it
+            seq.page_keys.append(key)
+
+    def _publish_tail(self, seq: Sequence) -> None:
+        """List the computed part of `seq`'s last, partly filled page (end of prompt or of
+        generation), so the next turn can reuse the whole conversation."""
+        index = self.prefix_index
+        if index is None:
+            return
+        ps = self.plan.page_size
+        i = len(seq.page_keys)
+        if i < len(seq.pages) and seq.num_computed > i * ps:
+            parent = seq.page_keys[-1] if seq.page_keys else index.root
+            index.publish_tail(parent, tuple(seq.token_ids[i * ps:seq.num_computed]),
+                               seq.pages[i])
+
     def _append(self, seq: Sequence, token: int) -> None:
         """Add a sampled token to `seq`, decide whether it finished, and emit its output."""
         text_state = self._text[seq.request_id]
@@ -342,6 +406,8 @@ class Engine:
             # the sequence ended by length or a stop token: held-back text is final now
             text += text_state.stops.push(text_state.detok.flush())[0]
             text += text_state.stops.flush()
+        if error is None:  # a failed step may have left this sequence's last page half written
+            self._publish_tail(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         seq.finish_reason = reason  # type: ignore[assignment]
@@ -360,7 +426,8 @@ class Engine:
             finish_reason=seq.finish_reason if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_completion_tokens,
-            num_cached_tokens=seq.num_cached_tokens, timings=timings, error=error)
+            num_cached_tokens=seq.num_cached_tokens, timings=timings, error=error,
+            reuse=seq.reuse if finished else None)
         try:
             self.on_output(out)
         except Exception:  # a broken consumer must not stop the step loop

@@ -2,9 +2,14 @@
 
 Each step: every running sequence that is decoding gets one token; the rest of the step's
 token budget goes to prefill chunks (running prefills first, then newly admitted
-sequences, in arrival order). Pages are taken as a chunk needs them. When a decode step
-finds no free page, the most recently admitted sequence is preempted (its pages released;
-it is recomputed later from its tokens), so older requests always make progress.
+sequences, in arrival order). Pages are taken as a chunk needs them; when the pool runs
+short, unpinned cached pages are evicted first (LRU). When a decode step still finds no
+free page, the most recently admitted sequence is preempted (its pages released; it is
+recomputed later from its tokens, reusing what the prefix index still holds), so older
+requests always make progress.
+
+On admission a sequence adopts the longest cached prefix of its tokens (`DeviceReuse`), so
+its prefill starts where the cache ends.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from flare.runtime.sequence import Sequence, SeqStatus
+from flare.state.admission import DeviceReuse
 from flare.state.pools import PagePool
 
 
@@ -40,8 +46,9 @@ class Scheduler:
     """
 
     def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int,
-                 max_batch_tokens: int) -> None:
+                 max_batch_tokens: int, reuse: DeviceReuse | None = None) -> None:
         self.pool = pool
+        self.reuse = reuse
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
@@ -61,16 +68,24 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         need = self._pages_needed(seq, num_tokens)
+        if need > self.pool.num_free and self.reuse is not None:
+            self.reuse.index.evict(need - self.pool.num_free)
         if need > self.pool.num_free:
             return False
         seq.pages.extend(self.pool.allocate(need))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+    def _drop_pages(self, seq: Sequence) -> None:
+        """Release every page of `seq`; it will be computed again from its tokens."""
         self.pool.release(seq.pages)
         seq.pages = []
+        seq.page_keys = []
         seq.num_computed = 0
+        seq.needs_lookup = True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_pages(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -103,15 +118,34 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.needs_lookup and self.reuse is not None:
+                self._adopt_cached_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
-                break  # admit in arrival order only: a large head waits for pages
+                # admit in arrival order only: the head waits for pages, holding none (a
+                # waiting sequence that held pages could starve the running ones)
+                self._drop_pages(seq)
+                break
+            if self.reuse is not None:  # the adopted prefix is now really skipped
+                self.reuse.counters.reused_tokens += seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             prefills.append(ScheduledChunk(seq, n))
             budget -= n
         return decodes + prefills
+
+    def _adopt_cached_prefix(self, seq: Sequence) -> None:
+        """Look the prefix index up for an admission attempt and adopt what it finds (a head
+        that must wait for pages drops it again and looks up at its next attempt)."""
+        r = self.reuse.acquire(seq.token_ids)
+        seq.pages, seq.page_keys = list(r.pages), list(r.keys)
+        seq.num_computed = r.num_tokens
+        seq.needs_lookup = False
+        if seq.reuse is None:  # the client hears about the first admission
+            seq.reuse = {"outcome": r.outcome.value, "matched_tokens": r.matched_tokens,
+                         "reused_tokens": r.num_tokens}
+            seq.num_cached_tokens = r.num_tokens
 
     def finish(self, seq: Sequence) -> None:
         """Release everything `seq` holds and forget it (idempotent)."""

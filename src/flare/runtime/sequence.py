@@ -30,6 +30,11 @@ class Sequence:
         pages: page table; position p lives in page `pages[p // page_size]`.
         max_len: the sequence ends with "length" once it has this many tokens.
         generator: per-request RNG for sampling.
+        page_keys: prefix-index keys of the first len(page_keys) pages (full, published or
+            adopted); the next full page is published under `page_keys[-1]`.
+        reuse: the first admission's outcome, as reported to the client.
+        needs_lookup: look the prefix index up at the next admission (again after a
+            preemption, which drops the pages).
     """
 
     request: GenerationRequest
@@ -40,6 +45,9 @@ class Sequence:
     num_computed: int = 0
     num_cached_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)
+    reuse: dict[str, object] | None = None
+    needs_lookup: bool = True
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     scheduled_ns: int | None = None

@@ -118,3 +118,10 @@ class KVCache:
         pos = torch.arange(start, end)
         table = torch.tensor(pages, dtype=torch.int64)
         return table[pos // ps] * ps + pos % ps
+
+    def copy_page_prefix(self, src: int, dst: int, num_tokens: int) -> None:
+        """Copy K/V of the first `num_tokens` positions of page `src` into page `dst`, in
+        every layer (copy-on-write of a shared page before a sequence writes into it)."""
+        a, b = src * self.page_size, dst * self.page_size
+        self.k[:, b:b + num_tokens] = self.k[:, a:a + num_tokens]
+        self.v[:, b:b + num_tokens] = self.v[:, a:a + num_tokens]

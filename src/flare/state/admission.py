@@ -1,0 +1,177 @@
+"""Admission of a reuse: exactly one outcome per lookup, and counters that add up.
+
+A lookup *hit* means a usable cached prefix exists; only an *Admitted* hit reuses anything.
+The counters keep lookups, hits, each outcome, admitted tokens and actually reused tokens
+apart, so that:
+
+    lookups = NoMatch + hits
+    hits    = CostRejected + CapacityRejected + EnqueueRejected + Admitted
+    reused tokens <= admitted tokens
+
+The cost policy is an arm: `CostPolicy.admit(match_tokens, tier)` decides whether restoring
+is worth it. For pages already in the device pool restoring costs nothing, so the default
+arm admits; tiered storage (host, disk) gives it real transfer estimates.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flare.state.pools import KVCache
+    from flare.state.prefix_index import PrefixIndex
+
+
+class Outcome(str, enum.Enum):
+    NO_MATCH = "NoMatch"
+    COST_REJECTED = "CostRejected"
+    CAPACITY_REJECTED = "CapacityRejected"
+    ENQUEUE_REJECTED = "EnqueueRejected"
+    ADMITTED = "Admitted"
+
+
+@dataclass(frozen=True)
+class CostPolicy:
+    """Admit a restore when its estimated transfer time is below `factor` x the estimated
+    prefill time of the tokens it replaces (ARCHITECTURE.md, "Admission of a reuse").
+
+    Attributes:
+        factor: the ratio threshold (default 0.5).
+        prefill_tokens_per_s: estimated prefill speed, tokens/s.
+        bytes_per_s: estimated transfer speed per tier, bytes/s ("device" is free).
+    """
+
+    factor: float = 0.5
+    prefill_tokens_per_s: float = 400.0
+    bytes_per_s: dict[str, float] = field(default_factory=lambda: {"device": float("inf")})
+
+    def admit(self, num_tokens: int, num_bytes: int, tier: str = "device") -> bool:
+        speed = self.bytes_per_s.get(tier)
+        if speed is None:
+            return False
+        transfer_s = 0.0 if speed == float("inf") else num_bytes / speed
+        return transfer_s == 0.0 or transfer_s < self.factor * num_tokens / self.prefill_tokens_per_s
+
+
+@dataclass
+class ReuseCounters:
+    """Counters of reuse admission (ints). `*_tokens` count prompt tokens."""
+
+    lookups: int = 0
+    hits: int = 0
+    outcomes: dict[Outcome, int] = field(default_factory=lambda: {o: 0 for o in Outcome})
+    queried_tokens: int = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
+    hit_tokens: int = 0  # tokens a hit covered (vLLM: prefix_cache_hits)
+    admitted_tokens: int = 0
+    reused_tokens: int = 0  # tokens whose prefill was actually skipped
+
+    def record(self, outcome: Outcome, queried: int, matched: int) -> None:
+        """Count one lookup of `queried` tokens with a usable match of `matched` tokens."""
+        self.lookups += 1
+        self.queried_tokens += queried
+        if outcome is not Outcome.NO_MATCH:
+            self.hits += 1
+            self.hit_tokens += matched
+        if outcome is Outcome.ADMITTED:
+            self.admitted_tokens += matched
+        self.outcomes[outcome] += 1
+
+    def check_conservation(self) -> None:
+        """Raises AssertionError when the counters do not add up."""
+        o = self.outcomes
+        assert self.lookups == o[Outcome.NO_MATCH] + self.hits, "lookups != NoMatch + hits"
+        assert self.hits == (o[Outcome.COST_REJECTED] + o[Outcome.CAPACITY_REJECTED]
+                             + o[Outcome.ENQUEUE_REJECTED] + o[Outcome.ADMITTED]), \
+            "hits != sum of hit outcomes"
+        assert self.reused_tokens <= self.admitted_tokens <= self.queried_tokens
+
+    def as_stats(self) -> dict[str, int]:
+        """Flat `*_total` counters for /metrics (vLLM names where the meaning is the same)."""
+        out = {
+            "prefix_cache_queries_total": self.queried_tokens,
+            "prefix_cache_hits_total": self.hit_tokens,
+            "reuse_lookups_total": self.lookups,
+            "reuse_hits_total": self.hits,
+            "reuse_admitted_tokens_total": self.admitted_tokens,
+            "reuse_reused_tokens_total": self.reused_tokens,
+        }
+        for outcome, n in self.outcomes.items():
+            out[f"reuse_outcome_{_snake(outcome.value)}_total"] = n
+        return out
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What `DeviceReuse.acquire` gave a sequence.
+
+    Attributes:
+        outcome: the admission outcome of the lookup.
+        pages: the sequence's page table for positions [0, num_tokens): adopted full pages
+            (one new reference each) and, when the match ended inside a page, a private
+            copy of that page's first positions. The caller owns these references.
+        keys: chained keys of the adopted full pages.
+        num_tokens: positions whose K/V is already in `pages` (0 unless Admitted).
+        matched_tokens: positions the lookup matched (even when not admitted).
+    """
+
+    outcome: Outcome
+    pages: tuple[int, ...] = ()
+    keys: tuple[bytes, ...] = ()
+    num_tokens: int = 0
+    matched_tokens: int = 0
+
+
+class DeviceReuse:
+    """Looks up, admits and adopts cached prefixes held in the device page pool.
+
+    Args:
+        index: the prefix index.
+        kv: the KV cache (for the copy-on-write of a partly matched page).
+        policy: the cost arm.
+        counters: where outcomes are counted.
+    """
+
+    def __init__(self, index: "PrefixIndex", kv: "KVCache", policy: CostPolicy,
+                 counters: ReuseCounters) -> None:
+        self.index, self.kv, self.policy, self.counters = index, kv, policy, counters
+
+    def acquire(self, tokens: list[int]) -> Reuse:
+        """Find the longest cached prefix of `tokens` (at most len - 1 positions, so one
+        token is computed for logits), decide its outcome, and adopt it when admitted."""
+        match = self.index.match(tokens, limit=len(tokens) - 1)
+        n = match.num_tokens
+        pool = self.index.pool
+        # hold every matched page while deciding, so an eviction for the copy page cannot
+        # free one of them
+        held = list(match.pages) + ([match.partial] if match.partial is not None else [])
+        pool.incref(held)
+        copy = None
+        if n == 0:
+            outcome = Outcome.NO_MATCH
+        elif not self.policy.admit(n, n * self.kv.layout.kv_bytes_per_token, "device"):
+            outcome = Outcome.COST_REJECTED
+        else:
+            if match.partial is not None and (pool.num_free > 0 or self.index.evict(1) == 1):
+                (copy,) = pool.allocate(1)
+            no_room = match.partial is not None and copy is None
+            outcome = (Outcome.CAPACITY_REJECTED if no_room and not match.pages
+                       else Outcome.ADMITTED)
+        if match.partial is not None:
+            if copy is not None:
+                self.kv.copy_page_prefix(match.partial, copy, match.partial_tokens)
+            pool.release([match.partial])
+        if outcome is not Outcome.ADMITTED:
+            pool.release(list(match.pages))
+            self.counters.record(outcome, len(tokens), n)
+            return Reuse(outcome, matched_tokens=n)
+        pages = list(match.pages) + ([copy] if copy is not None else [])
+        # without a page for the copy, only the whole pages are reused
+        used = n if copy is not None or match.partial is None else len(match.pages) * self.index.page_size
+        self.counters.record(outcome, len(tokens), used)
+        return Reuse(outcome, tuple(pages), match.keys, used, n)
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")

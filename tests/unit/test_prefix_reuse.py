@@ -1,0 +1,223 @@
+"""Reuse of cached KV pages: reuse equals recompute, branches stay apart, accounting holds.
+
+Each answer served after a reuse is compared with the same request on an engine without a
+prefix cache (cold), greedy fp32, on the tiny random Qwen3 (page size 16). Cases from
+shared/cases/state.md are named in the test names or docstrings.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flare.loading.checkpoint import load_checkpoint
+from flare.prepare.plan import make_plan
+from flare.runtime.engine import Engine
+from flare.runtime.request import GenerationRequest, SamplingParams
+
+PAGE = 16
+
+
+def greedy(n: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_dir):
+    return load_checkpoint(tiny_qwen3_dir)
+
+
+def make_engine(ckpt, prefix_cache: bool = True, **plan_kw) -> Engine:
+    kw = {"max_seq_len": 512, "max_num_seqs": 8, "max_batch_tokens": 128,
+          "page_size": PAGE, **plan_kw}
+    return Engine(ckpt.config, make_plan(ckpt.config, **kw), ckpt.tensors, ckpt.tokenizer,
+                  namespace="test", prefix_cache=prefix_cache)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny):
+    return make_engine(tiny, prefix_cache=False)
+
+
+def run(engine: Engine, ids: list[int], params: SamplingParams | None = None):
+    outs = engine.run_until_idle([GenerationRequest("r", ids, params or greedy())])["r"]
+    return sum((o.token_ids for o in outs), []), outs[-1]
+
+
+def words(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def assert_idle_accounting(engine: Engine) -> None:
+    engine.check_integrity()
+    assert engine.pool.num_used == engine.prefix_index.num_pages
+    engine.prefix_index.clear()
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("p", [2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1, 2 * PAGE + 5])
+def test_reuse_equals_recompute_around_a_page_boundary(tiny, cold, p):
+    """Case state-exact-boundary: common prefix ends one before, at, one after a page
+    boundary, and inside the tail."""
+    engine = make_engine(tiny)
+    base = words(3 * PAGE + 7, seed=1)
+    run(engine, base)
+    ids = base[:p] + words(9, seed=2)
+    got, last = run(engine, ids)
+    assert got == run(cold, ids)[0]
+    assert last.num_cached_tokens == p
+    assert last.reuse == {"outcome": "Admitted", "matched_tokens": p, "reused_tokens": p}
+    assert_idle_accounting(engine)
+
+
+def test_whole_previous_turn_is_reused_and_equals_recompute(tiny, cold):
+    engine = make_engine(tiny)
+    turn1 = words(37, seed=3)
+    answer, _ = run(engine, turn1, greedy(20))
+    turn2 = turn1 + answer + words(11, seed=4)
+    got, last = run(engine, turn2)
+    # the last answer token was sampled but never computed: everything before it is reused
+    assert last.num_cached_tokens == len(turn1) + len(answer) - 1
+    assert got == run(cold, turn2)[0]
+    assert_idle_accounting(engine)
+
+
+def test_template_drift_reuses_up_to_the_common_prefix(tiny, cold):
+    """Case state-template-drift: turn 2 resends turn 1's answer rendered differently."""
+    engine = make_engine(tiny)
+    turn1 = words(40, seed=5)
+    answer, _ = run(engine, turn1, greedy(20))
+    drifted = answer[:7] + [answer[7] + 1] + answer[8:]  # the template changed one token
+    turn2 = turn1 + drifted + words(6, seed=6)
+    got, last = run(engine, turn2)
+    assert last.num_cached_tokens == len(turn1) + 7
+    assert got == run(cold, turn2)[0]
+
+
+def test_same_prompt_twice_reuses_all_but_the_last_token(tiny, cold):
+    """Case state-same-prompt-twice, with max_tokens 1 and with a long generation."""
+    for first_tokens in (1, 100):
+        engine = make_engine(tiny)
+        x = words(300, seed=7)
+        run(engine, x, greedy(first_tokens))
+        got, last = run(engine, x)
+        assert last.num_cached_tokens == len(x) - 1
+        assert got == run(cold, x)[0]
+        assert_idle_accounting(engine)
+
+
+def test_short_first_turn_is_reused(tiny):
+    """Case state-short-first-turn: a prompt under 64 tokens is cached too."""
+    engine = make_engine(tiny)
+    turn1 = words(21, seed=8)
+    answer, _ = run(engine, turn1, greedy(5))
+    _, last = run(engine, turn1 + answer + words(4, seed=9))
+    assert last.num_cached_tokens >= len(turn1)
+
+
+def test_branches_stay_isolated(tiny, cold):
+    """Case state-branch-isolation: fork, continue both, then the original again."""
+    engine = make_engine(tiny)
+    history = words(50, seed=10)
+    answer, _ = run(engine, history, greedy(10))
+    trunk = history + answer
+    a = trunk + words(7, seed=11)
+    b = trunk + words(9, seed=12)
+    got_a, last_a = run(engine, a, greedy(16))
+    got_b, last_b = run(engine, b, greedy(16))
+    assert last_a.num_cached_tokens > len(history) and last_b.num_cached_tokens > len(history)
+    assert got_a == run(cold, a, greedy(16))[0]
+    assert got_b == run(cold, b, greedy(16))[0]
+    again, _ = run(engine, a + got_a + words(3, seed=13))
+    assert again == run(cold, a + got_a + words(3, seed=13))[0]
+    assert_idle_accounting(engine)
+
+
+def test_requests_in_one_step_never_read_unpublished_pages(tiny, cold):
+    """Case state-publish-after-compute: 8 requests share a long prefix, arrive together."""
+    engine = make_engine(tiny, max_batch_tokens=512)
+    prefix = words(128, seed=14)
+    prompts = [prefix + words(5, seed=100 + i) for i in range(8)]
+    outs = engine.run_until_idle([GenerationRequest(str(i), p, greedy(16))
+                                  for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert sum((o.token_ids for o in outs[str(i)]), []) == run(cold, p, greedy(16))[0]
+    assert_idle_accounting(engine)
+
+
+def test_concurrent_same_prefix_is_computed_a_bounded_number_of_times(tiny):
+    """Case state-concurrent-same-prefix: 8 requests with a 1,500-token prefix at once.
+
+    Documented bound: requests admitted before the first prefill chunk publishes compute the
+    prefix themselves; chunked prefill publishes page by page, so later admissions reuse it.
+    """
+    engine = make_engine(tiny, max_seq_len=2048, max_batch_tokens=256, max_num_seqs=8)
+    cold = make_engine(tiny, prefix_cache=False, max_seq_len=2048, max_num_seqs=1)
+    prefix = words(1500, seed=15)
+    prompts = [prefix + words(4, seed=200 + i) for i in range(8)]
+    outs = engine.run_until_idle([GenerationRequest(str(i), p, greedy(4))
+                                  for i, p in enumerate(prompts)])
+    cached = [outs[str(i)][-1].num_cached_tokens for i in range(8)]
+    for i, p in enumerate(prompts):
+        assert sum((o.token_ids for o in outs[str(i)]), []) == run(cold, p, greedy(4))[0]
+    assert sum(c > 0 for c in cached) >= 1
+    assert_idle_accounting(engine)
+
+
+def test_abort_mid_prefill_then_same_prompt_equals_cold(tiny, cold):
+    """Case state-abort-mid-prefill, at several abort points."""
+    prompt = words(400, seed=16)
+    expected = run(cold, prompt)[0]
+    for chunks_before_abort in (1, 2, 5):
+        engine = make_engine(tiny, max_batch_tokens=64)
+        engine.add_request(GenerationRequest("a", prompt, greedy()))
+        for _ in range(chunks_before_abort):
+            engine.step()
+        published = engine.prefix_index.num_pages * PAGE
+        engine.abort("a")
+        engine.step()
+        engine.check_integrity()
+        got, last = run(engine, prompt)
+        assert got == expected
+        assert last.num_cached_tokens <= max(published, chunks_before_abort * 64)
+        assert_idle_accounting(engine)
+
+
+def test_eviction_under_a_small_pool_keeps_answers_correct(tiny, cold):
+    engine = make_engine(tiny, max_seq_len=128, num_pages=16, max_num_seqs=2)
+    for i in range(12):
+        ids = words(40 + i, seed=300 + i)
+        got, _ = run(engine, ids)
+        assert got == run(cold, ids)[0]
+        engine.check_integrity()
+    assert engine.prefix_index.stats.evicted_pages > 0
+    assert engine.stats()["prefix_cache_evicted_pages_total"] > 0
+    assert_idle_accounting(engine)
+
+
+def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
+    """200 requests: random lengths, shared prefixes, 30% aborted mid-way."""
+    engine = make_engine(tiny, max_seq_len=256, num_pages=48, max_num_seqs=6,
+                         max_batch_tokens=64)
+    rng = random.Random(17)
+    trunks = [words(rng.randrange(10, 120), seed=400 + i) for i in range(5)]
+    live: list[str] = []
+    for i in range(200):
+        ids = rng.choice(trunks)[:rng.randrange(1, 120)] + words(rng.randrange(1, 30), 500 + i)
+        engine.add_request(GenerationRequest(f"q{i}", ids[:200], greedy(rng.randrange(1, 20))))
+        live.append(f"q{i}")
+        for _ in range(rng.randrange(0, 3)):
+            engine.step()
+        if rng.random() < 0.3:
+            engine.abort(rng.choice(live))
+        engine.check_integrity()
+    while engine.scheduler.has_work() or engine._inbox or engine._aborts:
+        engine.step()
+    stats = engine.stats()
+    assert stats["reuse_lookups_total"] >= 150
+    assert stats["reuse_outcome_admitted_total"] > 0
+    assert (stats["reuse_lookups_total"]
+            == stats["reuse_outcome_no_match_total"] + stats["reuse_hits_total"])
+    assert_idle_accounting(engine)

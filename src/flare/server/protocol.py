@@ -4,16 +4,33 @@ Requests are validated here (types, ranges, parameters Flare does not support); 
 fails becomes an HTTP 400 with OpenAI's error body `{"error": {message, type, param, code}}`
 naming the parameter. Unknown extra fields are ignored, as agent clients send many.
 
-Extensions over OpenAI: `top_k` (0 or -1 disables) and `ignore_eos`. Limits that depend on
-the served package or settings (n, context length, model name) are checked by the app.
+Extensions over OpenAI: `top_k` (0 or -1 disables) and `ignore_eos` in requests; the
+`flare` object in responses (docs/api-extensions.md). Limits that depend on the served
+package or settings (n, context length, model name) are checked by the app.
+
+Tool calling (docs/agents.md): `tools` (functions only), `tool_choice` ("none", "auto",
+"required" or `{"type": "function", "function": {"name": ...}}`), `parallel_tool_calls`,
+assistant messages with `tool_calls` (content may be null) and `tool` messages with
+`tool_call_id`. `response_format`: text, json_object, json_schema. The deprecated
+`functions` / `function_call` are refused with a 400 that says to use `tools`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from flare.runtime.request import SamplingParams
 
@@ -146,15 +163,123 @@ def _content_text(value: Any) -> Any:
     return "\n".join(texts)
 
 
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class FunctionCall(_Request):
+    """A call's function: name and arguments (JSON object text; an object is serialized)."""
+
+    name: str
+    arguments: str
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _serialize_object(cls, v: Any) -> Any:
+        return json.dumps(v, ensure_ascii=False) if isinstance(v, dict) else v
+
+
+class ToolCallMessage(_Request):
+    """One entry of an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, v: str) -> str:
+        if not _TOOL_NAME.match(v):
+            raise ValueError(f"function name {v!r} must be 1-64 characters of a-z, A-Z, 0-9, "
+                             "_ and -")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            _check_schema(v)
+            if v.get("type", "object") != "object":
+                raise ValueError(f"parameters must describe an object, not {v.get('type')!r}")
+        return v
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        _check_schema(v)
+        return v
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _only_for_json_schema(cls, v: JsonSchemaFormat | None, info: ValidationInfo):
+        if v is not None and info.data.get("type") != "json_schema":
+            raise ValueError("json_schema is only allowed with type 'json_schema'")
+        return v
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object with a 'schema'")
+        return self
+
+
+def _check_schema(schema: dict[str, Any]) -> None:
+    """Raise ValueError unless `schema` is a valid JSON Schema (any draft's meta-schema)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.path)
+        raise ValueError(f"not a valid JSON schema{f' at {where}' if where else ''}: "
+                         f"{e.message}") from None
+
+
 class ChatMessage(_Request):
-    """One message of a conversation. `content` is normalized to a string (or None)."""
+    """One message of a conversation. `content` is normalized to a string (or None).
+
+    An assistant message may carry `tool_calls` (its content may then be null); a `tool`
+    message answers one call and needs its `tool_call_id`.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # validate_default: a missing content must reach the required-for-role check.
     content: str | None = Field(None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallMessage] | None = None
 
     _normalize_content = field_validator("content", mode="before")(_content_text)
 
@@ -168,10 +293,16 @@ class ChatMessage(_Request):
 
     @field_validator("tool_calls")
     @classmethod
-    def _no_tool_calls(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calls in messages are not supported yet")
-        return v
+    def _assistant_only(cls, v: list[ToolCallMessage] | None, info: ValidationInfo):
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return v or None
+
+    @model_validator(mode="after")
+    def _tool_call_id_for_tool(self) -> "ChatMessage":
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message needs the tool_call_id it answers")
+        return self
 
 
 class StreamOptions(_Request):
@@ -265,19 +396,20 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions body.
 
     `max_completion_tokens` is the newer name of `max_tokens`; if both are given they must
-    agree. `tools` is refused for now (tool calling is not implemented yet); `tool_choice`
-    is accepted only as "none" or "auto" without tools.
+    agree. `tool_choice` defaults to "auto" with tools and "none" without; "required" or a
+    named function needs tools (and the name among them).
     """
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
+    function_call: Any = None
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -301,25 +433,33 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("logprobs are not supported yet")
         return v
 
-    @field_validator("response_format")
+    @field_validator("tools")
     @classmethod
-    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported yet")
-        return v
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _tools_unsupported(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tool calling is not supported yet")
-        return v
+    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in v or ()]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two tools are named {dup!r}; names must be distinct")
+        return v or None
 
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice_without_tools(cls, v: str | dict[str, Any] | None):
-        if v not in (None, "none", "auto"):
-            raise ValueError("tool_choice other than 'none' needs tools, not supported yet")
+    def _choice_needs_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        names = [t.function.name for t in tools]
+        if v == "required" and not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in names:
+            raise ValueError(f"tool_choice names function {v.function.name!r}, which is not "
+                             f"in tools ({', '.join(names) or 'none given'})")
+        return v
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated_functions(cls, v: Any) -> Any:
+        if v:
+            raise ValueError("the deprecated functions/function_call are not supported; "
+                             "use tools and tool_choice")
         return v
 
     @property
@@ -327,6 +467,21 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else (
             self.max_tokens
         )
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tools are used: "none" (not rendered, not parsed), "auto" (the model
+        chooses), "required" / "named" (a call is forced by a grammar)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    @property
+    def forced_tool_name(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice,
+                                                            NamedToolChoice) else None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -385,7 +540,7 @@ class CompletionRequest(_SamplingRequest):
 
 # --------------------------------------------------------------------------- responses
 
-ApiFinishReason = Literal["stop", "length"]
+ApiFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -415,8 +570,19 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """The reply; `content` is None when the message is only tool calls. `tool_calls` is
+    left out of the JSON when there are none."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallMessage] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -434,6 +600,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
+    flare: dict[str, Any] | None = None  # extension, docs/api-extensions.md
 
 
 class CompletionChoice(BaseModel):
@@ -451,6 +618,7 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage
+    flare: dict[str, Any] | None = None  # extension, docs/api-extensions.md
 
 
 class ModelCard(BaseModel):

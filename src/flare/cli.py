@@ -101,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-parser", choices=["auto", "hermes", "llama3_json"],
                        default="auto", help="tool-call format of the model (default auto: "
                        "from its chat template; see docs/agents.md)")
+    serve.add_argument("--api-key", default=os.environ.get("FLARE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every /v1 route "
+                            "(default: $FLARE_API_KEY; unset = open)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics and /debug/state too")
+    serve.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024,
+                       help="largest request body accepted, bytes (default 16 MiB; 413 beyond)")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="most requests waiting for the engine before 429 (default 256)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="never reuse cached KV pages (every prompt is prefilled in full; "
                             "for measuring what reuse saves)")
@@ -154,6 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from flare.server.app import serve
 
     serve(package, host=args.host, port=args.port, tool_parser=args.tool_parser,
+          api_key=args.api_key, protect_metrics=args.protect_metrics,
+          max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
           prefix_cache=not args.no_prefix_cache,
           shutdown_timeout_s=args.shutdown_timeout)
     return 0

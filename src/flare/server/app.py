@@ -58,6 +58,7 @@ from flare.server.grammar import (
     json_grammar,
     tool_call_grammar,
 )
+from flare.server.guard import RequestGuard
 from flare.server.protocol import (
     ApiError,
     AssistantMessage,
@@ -102,11 +103,20 @@ class ServerSettings:
         tool_parser: the tool-call format: "hermes", "llama3_json", or "auto" (from the
             chat template; hermes when it has no tool markup, which matches Flare's
             fallback prompt).
+        api_key: bearer token required on every /v1 route (None: open). See
+            `flare.server.guard`.
+        protect_metrics: require the key on /metrics and /debug/state too.
+        max_body_bytes: largest request body accepted (413 beyond).
+        max_queue: most requests waiting for the engine before new ones get 429.
     """
 
     served_model_name: str | None = None
     max_n: int = 8
     tool_parser: str = "auto"
+    api_key: str | None = None
+    protect_metrics: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_queue: int = 256
 
     def __post_init__(self) -> None:
         if self.tool_parser not in ("auto", *TOOL_PARSERS):
@@ -228,6 +238,11 @@ def create_app(
             await engine.shutdown()
 
     app = FastAPI(title="Flare", lifespan=lifespan)
+    app.add_middleware(RequestGuard, api_key=settings.api_key,
+                       max_body_bytes=settings.max_body_bytes,
+                       protect_metrics=settings.protect_metrics,
+                       queue_length=lambda: engine.stats()["num_waiting"],
+                       max_queue=settings.max_queue)
     app.state.engine = engine
     app.state.settings = settings
     app.state.registry = registry

@@ -284,3 +284,21 @@ def test_token_constraint_masks_sampling_and_finishes_with_stop(tiny):
     assert tokens(outs) == forced and text(outs) == '{"a": 1}'
     assert outs[-1].finish_reason == "stop"
     assert_pools_back_to_baseline(engine)
+
+
+def test_degenerate_sampling_values_never_fail_the_batch(tiny):
+    """Break-it finding: temperature 1e-45 / top_p 1e-300 used to fail the whole step."""
+    engine = make_engine(tiny)
+    a, b = prompts(tiny, 2)
+    bad = [SamplingParams(max_tokens=4, temperature=1e-45, ignore_eos=True),
+           SamplingParams(max_tokens=4, temperature=1.0, top_p=1e-300, ignore_eos=True, seed=1)]
+    greedy_a = tokens(solo(engine, a, SamplingParams(max_tokens=4, temperature=0,
+                                                      ignore_eos=True)))
+    for p in bad:
+        outs = engine.run_until_idle([GenerationRequest("bad", a, p),
+                                      GenerationRequest("ok", b, GREEDY)])
+        assert outs["bad"][-1].finish_reason == "length"
+        assert tokens(outs["bad"]) == greedy_a  # both are argmax in effect
+        assert outs["ok"][-1].finish_reason == "length" and outs["ok"][-1].error is None
+    with pytest.raises(ValueError, match="64-bit"):
+        SamplingParams(seed=2**64)

@@ -73,6 +73,7 @@ def test_stream_options_usage():
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"n": 0}, "n", "greater than or equal to 1"),
         ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"seed": 2**64}, "seed", "less than or equal to"),  # break-it: killed the engine
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"stop": 5}, "stop", "valid string"),
         ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),

@@ -101,3 +101,22 @@ def test_key_compare_time_does_not_depend_on_a_shared_prefix():
 
     # a short-circuiting compare would make `far` ~4000x faster than `near`
     assert best_of(far) > 0.3 * best_of(near)
+
+
+def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_usable():
+    app = FastAPI()
+
+    @app.get("/v1/boom")
+    async def boom():
+        raise RuntimeError("bug")
+
+    @app.get("/v1/fine")
+    async def fine():
+        return {"ok": True}
+
+    app.add_middleware(RequestGuard, api_key=None, max_body_bytes=1024, protect_metrics=False,
+                       queue_length=lambda: 0, max_queue=4)
+    client = TestClient(app, raise_server_exceptions=False)
+    r = client.get("/v1/boom")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert client.get("/v1/fine").json() == {"ok": True}

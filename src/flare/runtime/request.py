@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 FinishReason = Literal["stop", "length", "abort"]
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one sequence.
@@ -52,10 +55,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # a temperature this small is argmax in fp32 anyway, and dividing by it overflows
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @runtime_checkable

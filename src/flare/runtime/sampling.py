@@ -6,9 +6,13 @@ it runs alone or in a batch: no row's draw depends on another row.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from flare.runtime.request import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams,
@@ -29,6 +33,7 @@ def sample_one(logits: torch.Tensor, params: SamplingParams,
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (keeps at least one)
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop_sorted[0] = False  # the most likely token always stays (top_p may round to 0)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = scaled.softmax(-1)
@@ -44,5 +49,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     out = torch.argmax(logits, dim=-1).tolist()
     for row, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
-            out[row] = sample_one(logits[row], p, g)
+            try:
+                out[row] = sample_one(logits[row], p, g)
+            except RuntimeError:  # degenerate distribution: one row must not fail the batch
+                log.warning("sampling row %d failed (%s); taking the argmax", row, p)
     return out

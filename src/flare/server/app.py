@@ -138,11 +138,16 @@ _KNOWN_METRICS = {
 }
 
 
+_GAUGES = {"pages_total"}  # ends in "_total" but is a capacity, not a count of events
+_COUNTERS = {"num_preemptions"}  # only ever goes up
+
+
 class _EngineCollector(Collector):
     """Reads `engine.stats()` at scrape time: no copy of engine state to keep in step.
 
-    Keys ending in "_total" become counters (exposed as `flare_<key>`), others gauges; keys
-    the engine adds later are exported the same way.
+    Keys ending in "_total" become counters (exposed as `flare_<key>`), others gauges (with
+    the exceptions in `_GAUGES` / `_COUNTERS`); keys the engine adds later are exported the
+    same way.
     """
 
     def __init__(self, engine: Any) -> None:
@@ -153,7 +158,7 @@ class _EngineCollector(Collector):
             if not isinstance(value, (int, float)):
                 continue
             doc = _KNOWN_METRICS.get(key, key.replace("_", " "))
-            if key.endswith("_total"):
+            if key in _COUNTERS or (key.endswith("_total") and key not in _GAUGES):
                 yield CounterMetricFamily(f"flare_{key.removesuffix('_total')}", doc, value=value)
             else:
                 yield GaugeMetricFamily(f"flare_{key}", doc, value=value)
@@ -428,6 +433,8 @@ def create_app(
         except ChatTemplateError as e:
             param = f"messages[{e.message_index}]" if e.message_index is not None else "messages"
             raise ApiError(400, str(e), param=param, code="invalid_chat_template_input") from e
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape ("\ud800")
+            raise ApiError(400, f"message text cannot be encoded: {e}", param="messages") from e
         constraints = await constraints_for(body)
         make_parser = None
         if tools:
@@ -446,7 +453,11 @@ def create_app(
         check_n(body.n)
         tokenizer = engine.tokenizer
         if isinstance(body.prompt, str):
-            prompt_ids = list(tokenizer.encode(body.prompt))
+            try:
+                prompt_ids = list(tokenizer.encode(body.prompt))
+            except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape
+                raise ApiError(400, f"prompt text cannot be encoded: {e}",
+                               param="prompt") from e
         else:
             vocab = len(tokenizer)
             bad = next((t for t in body.prompt if not 0 <= t < vocab), None)

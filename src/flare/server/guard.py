@@ -11,18 +11,23 @@ server nothing. Every refusal is an OpenAI-style error body:
   a chunked body is read).
 - 429 `queue_full` with `Retry-After`: more requests are waiting than `max_queue` (the
   server-side EnqueueRejected).
+- 500 `internal_error`: anything unexpected inside; answered here so the connection stays
+  usable.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
 Send = Callable[[dict[str, Any]], Any]
+
+log = logging.getLogger(__name__)
 
 _OPEN_PATHS = {"/health"}
 _STATS_PATHS = {"/metrics", "/debug/state"}
@@ -100,6 +105,13 @@ class RequestGuard:
             if not started:
                 await _refuse(send, 413, f"request body exceeds the limit of "
                               f"{self.max_body_bytes:,} bytes", "request_too_large")
+        except Exception:
+            # answered here, not re-raised: an exception that reaches the server's outermost
+            # layer makes uvicorn drop the keep-alive connection after the 500
+            log.exception("unexpected error on %s", path)
+            if not started:
+                await _refuse(send, 500, "internal server error", "internal_error",
+                              kind="server_error")
 
     def _needs_key(self, path: str) -> bool:
         if path in _OPEN_PATHS:
@@ -122,8 +134,8 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 async def _refuse(send: Send, status: int, message: str, code: str,
-                  retry_after: int | None = None) -> None:
-    kind = "invalid_request_error" if status != 429 else "rate_limit_error"
+                  retry_after: int | None = None, kind: str | None = None) -> None:
+    kind = kind or ("invalid_request_error" if status != 429 else "rate_limit_error")
     body = json.dumps({"error": {"message": message, "type": kind, "param": None,
                                  "code": code}}).encode()
     headers = [(b"content-type", b"application/json"),

@@ -261,6 +261,8 @@ def _check_schema(schema: dict[str, Any]) -> None:
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
+    except RecursionError:
+        raise ValueError("JSON schema is nested too deeply") from None
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.path)
         raise ValueError(f"not a valid JSON schema{f' at {where}' if where else ''}: "
@@ -320,7 +322,8 @@ class _SamplingRequest(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1)
-    seed: int | None = None
+    # int64, as OpenAI documents it; choice i uses seed + i, which torch still accepts
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

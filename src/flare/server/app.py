@@ -246,7 +246,7 @@ def create_app(
     app.add_middleware(RequestGuard, api_key=settings.api_key,
                        max_body_bytes=settings.max_body_bytes,
                        protect_metrics=settings.protect_metrics,
-                       queue_length=lambda: engine.stats()["num_waiting"],
+                       queue_length=lambda: engine.stats().get("num_waiting", 0),
                        max_queue=settings.max_queue)
     app.state.engine = engine
     app.state.settings = settings

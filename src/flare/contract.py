@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 # (layout of tensors, kernels that read them): an old package is then refused.
 EXECUTION_ABI: int = 1
 # Bump when the package format (manifest fields, payload files) changes.
-PREPARED_CONTRACT: int = 1
+# 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
+#    bytes in the memory report; hybrid recipes' config is their original config dict.
+PREPARED_CONTRACT: int = 2
 
 MANIFEST_NAME = "manifest.json"
 _CHUNK = 8 << 20
@@ -56,7 +58,13 @@ class Manifest(BaseModel):
         recipe / recipe_version: the recipe that runs it (see `flare.models.recipe`).
         source: identity of the checkpoint it came from: format, file name, per-file
             sha256 and bytes (`Checkpoint.source`).
-        config: the model config as a transformers dict (`ModelConfig.to_hf()`).
+        config: the model config as a transformers dict (`ModelConfig.to_hf()`: rebuilt
+            from the dense fields for the `llama` recipe, the checkpoint's own
+            `config.json` dict for hybrid recipes).
+        state_layout: the recipe's `StateLayout.describe()` at the plan's page size and
+            dtype (KV layers, each hybrid layer's conv/recurrent state shapes and dtypes,
+            bytes per state slot). Serve recomputes it and refuses a package whose layout
+            differs from what its recipe computes.
         dtype: serving dtype name of weights and KV pool ("float32", ...).
         device_class: "cpu" or "cuda:<major>.<minor>" (compute capability).
         plan: `CapacityPlan.to_dict()`.
@@ -79,6 +87,7 @@ class Manifest(BaseModel):
     recipe_version: int
     source: dict[str, Any]
     config: dict[str, Any]
+    state_layout: dict[str, Any]
     dtype: str
     device_class: str
     plan: dict[str, Any]

@@ -99,8 +99,6 @@ def test_state_copied_to_another_slot_continues_identically(tiny):
     check_copied_slot_continues_identically(_runner(tiny), tiny[3][2], CHUNK, "tiny-lfm2")
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="flare's loader does not know Lfm2ForCausalLM yet")
 def test_flare_loader_reads_the_folder(tiny):
     from flare.loading.checkpoint import load_checkpoint
 

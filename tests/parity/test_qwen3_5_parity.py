@@ -139,11 +139,45 @@ def test_state_copied_to_another_slot_continues_identically(tiny):
     check_copied_slot_continues_identically(_runner(tiny), tiny[3][2], CHUNK, "tiny-qwen3_5")
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True,
-                   reason="flare's loader does not know Qwen3_5ForCausalLM yet")
 def test_flare_loader_reads_the_folder(tiny):
     from flare.loading.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(tiny[0])
     ours = Qwen3_5Model.from_hf(ckpt.hf_config, ckpt.tensors, max_positions=64)
     assert set(ckpt.tensors) == expected_tensor_names(ours.config)
+
+
+def test_flare_loader_reads_a_multimodal_folder(tiny, tmp_path):
+    """A Qwen3.5 hub folder (`Qwen3_5ForConditionalGeneration`: config nested under
+    `text_config`, text weights under `model.language_model.*`, a vision tower and an MTP
+    head beside them) loads as the text model: same tensors, same logits."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from flare.loading.checkpoint import load_checkpoint
+
+    folder, _, ours, prompts = tiny
+    mm = tmp_path / "tiny-qwen3_5-mm"
+    shutil.copytree(folder, mm)
+    text = json.loads((folder / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "tie_word_embeddings": False, "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8}}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k:
+               v for k, v in tensors.items()}
+    renamed["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4)
+    renamed["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(renamed, str(mm / "model.safetensors"))
+    ckpt = load_checkpoint(mm)
+    assert set(ckpt.tensors) == set(tensors)
+    assert ckpt.config.architecture == "Qwen3_5ForConditionalGeneration"
+    assert (ckpt.config.vocab_size, ckpt.config.hidden_size) == (49152, 64)
+    model = Qwen3_5Model.from_hf(ckpt.hf_config, ckpt.tensors, max_positions=64)
+    assert model.config.layer_types == ours.config.layer_types
+    runner = Runner(model, state_layout(model.config, 16, torch.float32))
+    ref = Runner(ours, state_layout(ours.config, 16, torch.float32))
+    a, b = runner.new_seq(prompts[0]), ref.new_seq(prompts[0])
+    assert torch.equal(runner.prefill(a), ref.prefill(b))

@@ -117,31 +117,24 @@ def source_identity(path: Path) -> dict[str, Any]:
 
 
 def expected_tensor_names(config: ModelConfig) -> set[str]:
-    """Hugging Face tensor names a dense Llama-family model of `config` must have."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        names.add("lm_head.weight")
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {f"{p}self_attn.{n}_proj.weight" for n in "qkvo"}
-        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
-        if config.attention_bias:
-            names |= {f"{p}self_attn.{n}_proj.bias" for n in "qkv"}
-        if config.qk_norm:
-            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    return names
+    """Hugging Face tensor names a model of `config` must have, per the recipe that runs it
+    (dense Llama family, Qwen3.5 text model, LFM2)."""
+    from flare.models.recipe import expected_tensor_names as by_recipe
+
+    return by_recipe(config)
 
 
 def check_tensor_names(tensors: dict[str, torch.Tensor], config: ModelConfig, where: str) -> None:
     """Raise ValueError naming missing and unexpected tensors (at most 5 of each)."""
+    from flare.models.recipe import recipe_for
+
     expected = expected_tensor_names(config)
     missing = sorted(expected - tensors.keys())
     extra = sorted(tensors.keys() - expected)
     if missing or extra:
         raise ValueError(
             f"{where}: tensors do not match a {config.architecture} with "
-            f"{config.num_hidden_layers} layers: missing {missing[:5]}"
+            f"{config.num_hidden_layers} layers (recipe {recipe_for(config)}): missing {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}"
         )
@@ -153,7 +146,10 @@ def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
 
     Args:
         path: a `.gguf` file, or a folder with config.json, *.safetensors (possibly
-            sharded with model.safetensors.index.json) and tokenizer files.
+            sharded with model.safetensors.index.json) and tokenizer files. Folders of
+            every recipe load (Llama/Qwen2/Qwen3, Qwen3.5 `Qwen3_5ForCausalLM` or its
+            multimodal folder's text model, LFM2 `Lfm2ForCausalLM`); GGUF files of the
+            dense family only.
         dtype: dtype of every returned tensor (quantized GGUF tensors are dequantized
             to float32 first, then cast).
         progress: show a tqdm bar per tensor on stderr.

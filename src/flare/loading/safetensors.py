@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from flare.loading.checkpoint import Checkpoint, check_tensor_names, source_identity
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
-from flare.models.recipe import recipe_for
+from flare.models.recipe import prepare_tensors, recipe_for
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older checkpoints saved that the recipe recomputes.
@@ -90,6 +90,7 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32,
                         continue
                     tensors[name] = f.get_tensor(name).to(dtype).contiguous()
             bar.update(1)
+    tensors = prepare_tensors(config, tensors)  # the recipe's renames (Qwen3.5 folders)
     check_tensor_names(tensors, config, str(folder))
     tokenizer = load_tokenizer(folder)
     return Checkpoint(config=config, hf_config=hf_config, tensors=tensors,

@@ -115,22 +115,21 @@ class StateLayout:
         return self.kv_bytes_per_token * self.page_size
 
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
-}
-RECIPE_VERSIONS = {"llama": 1}
-
-# Hybrid recipes (conv / recurrent state slots besides KV pages). Kept apart from
-# SUPPORTED_ARCHITECTURES until the loader, plan and engine run them: merging these into
-# SUPPORTED_ARCHITECTURES (and RECIPE_VERSIONS) is the switch that turns them on.
+# Hybrid recipes: conv / recurrent state slots besides KV pages.
 HYBRID_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # real Qwen3.5 folders: text model only
     "Lfm2ForCausalLM": "lfm2",
 }
 HYBRID_RECIPE_VERSIONS = {"qwen3_5": 1, "lfm2": 1}
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    **HYBRID_ARCHITECTURES,
+}
+RECIPE_VERSIONS = {"llama": 1, **HYBRID_RECIPE_VERSIONS}
 
 
 def recipe_for(config: ModelConfig) -> str:
@@ -146,6 +145,104 @@ def recipe_for(config: ModelConfig) -> str:
             f"architecture {config.architecture!r} has no recipe; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         ) from None
+
+
+def is_hybrid_recipe(recipe: str) -> bool:
+    return recipe in HYBRID_RECIPE_VERSIONS
+
+
+def _hf_dict(config: ModelConfig) -> dict[str, Any]:
+    """The original `config.json` dict a hybrid recipe reads its own config from."""
+    if config.hf is None:
+        raise ValueError(f"{config.architecture}: the model config carries no original "
+                         f"config dict (build it with ModelConfig.from_hf)")
+    return config.hf
+
+
+def recipe_config(config: ModelConfig) -> Any:
+    """The recipe's own config object: `config` itself for `llama`, a `Qwen3_5Config` /
+    `Lfm2Config` read from the original dict for the hybrids.
+
+    Raises:
+        ValueError: no recipe, or a config the recipe cannot read (named).
+    """
+    recipe = recipe_for(config)
+    if recipe == "qwen3_5":
+        from flare.models.qwen3_5 import Qwen3_5Config
+        return Qwen3_5Config.from_hf(_hf_dict(config))
+    if recipe == "lfm2":
+        from flare.models.lfm2 import Lfm2Config
+        return Lfm2Config.from_hf(_hf_dict(config))
+    return config
+
+
+def model_state_layout(config: ModelConfig, page_size: int, dtype: torch.dtype) -> StateLayout:
+    """The state layout of whatever recipe runs `config` (KV-only or hybrid)."""
+    recipe = recipe_for(config)
+    if is_hybrid_recipe(recipe):
+        return hybrid_state_layout(recipe, _hf_dict(config), page_size, dtype)
+    return state_layout(config, page_size, dtype)
+
+
+def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor],
+                max_positions: int) -> Any:
+    """The model object of the recipe that runs `config`: `LlamaModel`, `Qwen3_5Model` or
+    `Lfm2Model`. Dense models' `forward(ids, positions, batch, kv)`; hybrid models'
+    `forward(ids, positions, batch, kv, states)` (see `StateLayout.is_hybrid`).
+
+    Raises:
+        ValueError: no recipe, an unreadable config, or a missing tensor (named).
+    """
+    recipe = recipe_for(config)
+    if recipe == "qwen3_5":
+        from flare.models.qwen3_5 import Qwen3_5Model, text_model_tensors
+        return Qwen3_5Model(recipe_config(config), text_model_tensors(tensors), max_positions)
+    if recipe == "lfm2":
+        from flare.models.lfm2 import Lfm2Model
+        return Lfm2Model(recipe_config(config), tensors, max_positions)
+    from flare.models.llama import LlamaModel
+    return LlamaModel(config, tensors, max_positions)
+
+
+def expected_tensor_names(config: ModelConfig) -> set[str]:
+    """Tensor names (Hugging Face naming, after the recipe's renames) a checkpoint of
+    `config` must hold, for whichever recipe runs it."""
+    recipe = recipe_for(config)
+    if recipe == "qwen3_5":
+        from flare.models.qwen3_5 import expected_tensor_names as names
+        return names(recipe_config(config))
+    if recipe == "lfm2":
+        from flare.models.lfm2 import expected_tensor_names as names
+        return names(recipe_config(config))
+    return dense_tensor_names(config)
+
+
+def dense_tensor_names(config: ModelConfig) -> set[str]:
+    """Hugging Face tensor names a dense Llama-family model of `config` must have."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}self_attn.{n}_proj.weight" for n in "qkvo"}
+        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        if config.attention_bias:
+            names |= {f"{p}self_attn.{n}_proj.bias" for n in "qkv"}
+        if config.qk_norm:
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+    return names
+
+
+def prepare_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """The recipe's renames of a folder's tensors (Qwen3.5's multimodal folders keep the
+    text model under `model.language_model.*`, beside a vision tower and an MTP head that
+    the text model does not use); other recipes' tensors pass unchanged."""
+    if recipe_for(config) == "qwen3_5":
+        from flare.models.qwen3_5 import text_model_tensors
+        return text_model_tensors(tensors)
+    return tensors
 
 
 def state_layout(config: ModelConfig, page_size: int, dtype: torch.dtype) -> StateLayout:

@@ -48,7 +48,8 @@ from flare.loading.checkpoint import (
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.recipe import RECIPE_VERSIONS, recipe_for
-from flare.prepare.plan import CapacityPlan, dtype_from_name, dtype_name, make_plan, memory_report
+from flare.prepare.plan import (CapacityPlan, dtype_from_name, dtype_name, layout_for,
+                                make_plan, memory_report)
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -124,6 +125,8 @@ def write_package(
     model_name: str | None = None,
     device: str = "cpu",
     progress: bool = True,
+    checkpoint_slots: int | None = None,
+    checkpoint_interval: int | None = None,
 ) -> Manifest:
     """Plan, tune and write a package from a loaded checkpoint (its tensors' dtype is the
     serving dtype). See `prepare_package` for arguments and errors."""
@@ -137,7 +140,9 @@ def write_package(
     _stage("planning", progress)
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      page_size=page_size, num_pages=num_pages,
-                     max_batch_tokens=max_batch_tokens, dtype=serving_dtype)
+                     max_batch_tokens=max_batch_tokens, dtype=serving_dtype,
+                     checkpoint_slots=checkpoint_slots, checkpoint_interval=checkpoint_interval)
+    layout = layout_for(ckpt.config, plan)
     report = memory_report(ckpt.config, plan, ckpt.weights_bytes, device_total_bytes(device))
 
     _stage(f"writing {ckpt.weights_bytes / 2**20:,.0f} MiB of weights to {out_dir}", progress)
@@ -157,6 +162,7 @@ def write_package(
             recipe_version=RECIPE_VERSIONS[recipe],
             source=ckpt.source,
             config=ckpt.config.to_hf(),
+            state_layout=layout.describe(),
             dtype=serving_dtype,
             device_class=device_class,
             plan=plan.to_dict(),
@@ -190,6 +196,8 @@ def prepare_package(
     model_name: str | None = None,
     device: str = "cpu",
     progress: bool = True,
+    checkpoint_slots: int | None = None,
+    checkpoint_interval: int | None = None,
 ) -> Manifest:
     """Build a runtime package from a GGUF file or a Hugging Face folder.
 
@@ -206,6 +214,9 @@ def prepare_package(
         model_name: overrides the name taken from the file or folder.
         device: "cpu" or "cuda[:N]": the device class the package is prepared for; its
             total memory bounds the plan.
+        checkpoint_slots, checkpoint_interval: hybrid recipes' checkpoint state slots and
+            prefill checkpoint interval in tokens (None = `make_plan`'s default; ignored,
+            0, for KV-only recipes).
 
     Returns:
         The written manifest.
@@ -225,7 +236,8 @@ def prepare_package(
     return write_package(ckpt, out_dir, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                          page_size=page_size, num_pages=num_pages,
                          max_batch_tokens=max_batch_tokens, model_name=model_name,
-                         device=device, progress=progress)
+                         device=device, progress=progress, checkpoint_slots=checkpoint_slots,
+                         checkpoint_interval=checkpoint_interval)
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:
@@ -257,16 +269,56 @@ def load_package(path: Path, device: str = "cpu") -> LoadedPackage:
             equal the package's.
 
     Raises:
-        PackageError: the package fails a check (message names expected and found).
+        PackageError: the package fails a check (message names expected and found),
+            including a recipe or state layout that differs from what this build's recipe
+            computes for the package's config and plan (`check_state_layout`).
     """
     path = Path(path)
     manifest = check_package(path, device_class=device_class_of(device))
+    config, plan = check_state_layout(manifest, where=f"package {str(path)!r}")
     tensors = load_file(str(path / WEIGHTS_NAME), device=str(torch.device(device)))
     tokenizer = load_tokenizer(path)
-    return LoadedPackage(path=path, manifest=manifest,
-                         config=ModelConfig.from_hf(manifest.config),
-                         plan=CapacityPlan.from_dict(manifest.plan),
+    return LoadedPackage(path=path, manifest=manifest, config=config, plan=plan,
                          tensors=tensors, tokenizer=tokenizer)
+
+
+def check_state_layout(manifest: Manifest, where: str = "package"
+                       ) -> tuple[ModelConfig, CapacityPlan]:
+    """Rebuild the package's config and plan and check them against this build's recipe:
+    the recipe that runs the config must be the manifest's, and the state layout it
+    computes at the plan's page size and dtype must equal `manifest.state_layout` (the
+    layout is part of the contract: pools are allocated from it, and reused states are
+    read through it).
+
+    Returns:
+        (config, plan).
+
+    Raises:
+        PackageError: an unreadable config or plan, another recipe, or a layout that
+            differs (naming the first differing field, with both values).
+    """
+    try:
+        config = ModelConfig.from_hf(manifest.config)
+        plan = CapacityPlan.from_dict(manifest.plan)
+        recipe = recipe_for(config)
+        layout = layout_for(config, plan).describe()
+    except (TypeError, ValueError) as exc:
+        raise PackageError(f"{where}: config or plan unreadable by this flare: {exc}") from None
+    if recipe != manifest.recipe:
+        raise PackageError(f"{where}: recipe mismatch: the config runs on {recipe!r}, the "
+                           f"package names {manifest.recipe!r}")
+    if layout != manifest.state_layout:
+        diff = sorted(k for k in set(layout) | set(manifest.state_layout)
+                      if layout.get(k) != manifest.state_layout.get(k))
+        first = diff[0]
+        raise PackageError(
+            f"{where}: state layout mismatch in {diff}: recipe {recipe!r} computes "
+            f"{first}={layout.get(first)!r}, the package has "
+            f"{first}={manifest.state_layout.get(first)!r}; prepare it again")
+    if layout["layer_states"] and plan.state_slots < plan.max_num_seqs:
+        raise PackageError(f"{where}: plan has {plan.state_slots} state slots for "
+                           f"{plan.max_num_seqs} sequences of a hybrid recipe")
+    return config, plan
 
 
 def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
@@ -285,6 +337,10 @@ def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
         return f"source changed: package built from {have.get('files')}, model is {want['files']}"
     if manifest.dtype != dtype:
         return f"dtype differs: package {manifest.dtype}, wanted {dtype}"
+    try:
+        check_state_layout(manifest)
+    except PackageError as exc:
+        return str(exc)
     plan = make_plan(ModelConfig.from_hf(manifest.config), dtype=dtype, **plan_kwargs)
     if plan.to_dict() != manifest.plan:
         return f"plan differs: package {manifest.plan}, wanted {plan.to_dict()}"

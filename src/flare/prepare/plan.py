@@ -1,7 +1,8 @@
 """Capacity plan and memory report: sized once at prepare time, allocated once at serve time.
 
-Serve allocates exactly what the plan says (`num_pages` KV pages of `page_size` tokens),
-so the memory report written by prepare is the memory serve will use for its pools.
+Serve allocates exactly what the plan says (`num_pages` KV pages of `page_size` tokens,
+and for hybrid recipes `state_slots + checkpoint_slots` state slots), so the memory report
+written by prepare is the memory serve will use for its pools.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from flare.models.config import ModelConfig
-from flare.models.recipe import StateLayout, state_layout
+from flare.models.recipe import StateLayout, model_state_layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,6 +45,12 @@ class CapacityPlan:
         num_pages: KV pages in the pool (shared by all sequences).
         max_batch_tokens: most tokens computed in one engine step (chunked prefill budget).
         dtype: serving dtype name of weights and KV pool ("float32", ...).
+        state_slots: live conv/recurrent state slots, one per running sequence of a hybrid
+            recipe (= max_num_seqs); 0 for KV-only recipes.
+        checkpoint_slots: state slots more, holding checkpoints (copies of a sequence's
+            layer states at one position) for reuse; 0 for KV-only recipes.
+        checkpoint_interval: a hybrid prefill is cut, and checkpointed, every this many
+            tokens (besides the end of each prompt and of each generation); 0 = never.
     """
 
     max_seq_len: int
@@ -52,12 +59,26 @@ class CapacityPlan:
     num_pages: int
     max_batch_tokens: int
     dtype: str = "float32"
+    state_slots: int = 0
+    checkpoint_slots: int = 0
+    checkpoint_interval: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_num_seqs", "page_size", "num_pages", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"capacity plan: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("state_slots", "checkpoint_slots", "checkpoint_interval"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"capacity plan: {name} must be >= 0, got {getattr(self, name)}")
+        if self.state_slots and self.state_slots < self.max_num_seqs:
+            raise ValueError(f"capacity plan: state_slots {self.state_slots} < max_num_seqs "
+                             f"{self.max_num_seqs} (every running sequence needs a slot)")
         dtype_from_name(self.dtype)
+
+    @property
+    def num_state_slots(self) -> int:
+        """Slots of the state pool: live sequences plus checkpoints (0 if KV-only)."""
+        return self.state_slots + self.checkpoint_slots if self.state_slots else 0
 
     @property
     def pages_per_seq(self) -> int:
@@ -79,6 +100,9 @@ class MemoryReport:
     Attributes are bytes. `workspace_bytes` estimates activations and logits of one step
     of `max_batch_tokens` tokens (fp32 logits for each sequence's last token, plus
     hidden/MLP activations); `device_bytes` is total device memory (host RAM on CPU).
+    `state_pool_bytes` = `state_slots` (live + checkpoint) x `state_bytes_per_slot`, the
+    conv/recurrent state pool of a hybrid recipe (0 for KV-only); `total_bytes` = weights +
+    KV pool + state pool + workspace.
     """
 
     weights_bytes: int
@@ -86,9 +110,17 @@ class MemoryReport:
     workspace_bytes: int
     total_bytes: int
     device_bytes: int
+    state_pool_bytes: int = 0
+    state_bytes_per_slot: int = 0
+    state_slots: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Default checkpoint interval of hybrid prefills, in tokens (a multiple of common page
+# sizes, so grid checkpoints sit on page boundaries and reuse adopts whole pages).
+DEFAULT_CHECKPOINT_INTERVAL = 256
 
 
 def make_plan(
@@ -100,9 +132,13 @@ def make_plan(
     num_pages: int | None = None,
     max_batch_tokens: int = 512,
     dtype: str = "float32",
+    checkpoint_slots: int | None = None,
+    checkpoint_interval: int | None = None,
 ) -> CapacityPlan:
     """Size a plan. Defaults: max_seq_len = the model's context (at most 8,192 tokens);
-    num_pages = enough for `max_num_seqs` sequences of `max_seq_len` tokens.
+    num_pages = enough for `max_num_seqs` sequences of `max_seq_len` tokens. For a hybrid
+    recipe: one live state slot per sequence, `checkpoint_slots` = 2 x max_num_seqs and
+    `checkpoint_interval` = 256 tokens; for a KV-only recipe all three are 0.
 
     Raises:
         ValueError: a value out of range, naming it.
@@ -116,6 +152,15 @@ def make_plan(
         )
     if num_pages is None:
         num_pages = max_num_seqs * -(-max_seq_len // page_size)
+    hybrid = model_state_layout(config, page_size, dtype_from_name(dtype)).is_hybrid
+    if hybrid:
+        state_slots = max_num_seqs
+        if checkpoint_slots is None:
+            checkpoint_slots = 2 * max_num_seqs
+        if checkpoint_interval is None:
+            checkpoint_interval = DEFAULT_CHECKPOINT_INTERVAL
+    else:
+        state_slots, checkpoint_slots, checkpoint_interval = 0, 0, 0
     return CapacityPlan(
         max_seq_len=max_seq_len,
         max_num_seqs=max_num_seqs,
@@ -123,34 +168,44 @@ def make_plan(
         num_pages=num_pages,
         max_batch_tokens=max_batch_tokens,
         dtype=dtype,
+        state_slots=state_slots,
+        checkpoint_slots=checkpoint_slots,
+        checkpoint_interval=checkpoint_interval,
     )
 
 
 def layout_for(config: ModelConfig, plan: CapacityPlan) -> StateLayout:
-    return state_layout(config, plan.page_size, dtype_from_name(plan.dtype))
+    """The state layout of the recipe that runs `config`, at the plan's page size and
+    dtype (KV-only or hybrid)."""
+    return model_state_layout(config, plan.page_size, dtype_from_name(plan.dtype))
 
 
 def memory_report(
     config: ModelConfig, plan: CapacityPlan, weights_bytes: int, device_bytes: int
 ) -> MemoryReport:
-    """Bytes for weights, KV pool and one step's workspace.
+    """Bytes for weights, KV pool, state pool and one step's workspace.
 
     Raises:
         ValueError: the total exceeds `device_bytes`, naming every figure.
     """
     layout = layout_for(config, plan)
     kv = layout.bytes_per_page * plan.num_pages
-    elem = layout.kv_bytes_per_token // (2 * layout.num_kv_layers * layout.num_kv_heads
-                                         * layout.head_dim)
+    elem = torch.empty((), dtype=layout.dtype).element_size()
     act = plan.max_batch_tokens * (4 * config.hidden_size + 3 * config.intermediate_size) * elem
     logits = plan.max_num_seqs * config.vocab_size * 4
     workspace = act + logits
-    total = weights_bytes + kv + workspace
-    report = MemoryReport(weights_bytes, kv, workspace, total, device_bytes)
+    per_slot = layout.state_bytes_per_slot
+    slots = plan.num_state_slots if layout.is_hybrid else 0
+    state = per_slot * slots
+    total = weights_bytes + kv + state + workspace
+    report = MemoryReport(weights_bytes, kv, workspace, total, device_bytes,
+                          state_pool_bytes=state, state_bytes_per_slot=per_slot,
+                          state_slots=slots)
     if total > device_bytes:
         raise ValueError(
             f"plan does not fit: weights {weights_bytes:,} + KV pool {kv:,} "
-            f"({plan.num_pages} pages x {layout.bytes_per_page:,} B) + workspace {workspace:,} "
+            f"({plan.num_pages} pages x {layout.bytes_per_page:,} B) + state pool {state:,} "
+            f"({slots} slots x {per_slot:,} B) + workspace {workspace:,} "
             f"= {total:,} bytes > device {device_bytes:,} bytes"
         )
     return report

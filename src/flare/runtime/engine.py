@@ -1,8 +1,15 @@
 """The engine: a step loop of schedule -> forward -> sample -> post-process.
 
-The engine owns the model, the KV cache and the page pool, and runs in one thread.
-Requests and aborts arrive through a thread-safe inbox; outputs leave through a callback
-(`on_output`), which the async wrapper turns into per-request queues.
+The engine owns the model, the KV cache and the page pool (and, for hybrid recipes, the
+state-slot pool and its checkpoints), and runs in one thread. Requests and aborts arrive
+through a thread-safe inbox; outputs leave through a callback (`on_output`), which the
+async wrapper turns into per-request queues.
+
+What is published when (docs/session-state.md): after each step, the full pages it
+completed go to the prefix index and, for hybrid recipes, a checkpoint of the state slot is
+taken at the end of a prompt and at each multiple of the checkpoint interval of a prefill;
+when a sequence finishes, its partly filled last page and a checkpoint at its last computed
+position.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import torch
 
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from flare.models.config import ModelConfig
-from flare.models.llama import LlamaModel
+from flare.models.recipe import build_model, recipe_for
 from flare.prepare.plan import CapacityPlan, layout_for
 from flare.runtime.detokenize import IncrementalDetokenizer
 from flare.runtime.request import GenerationRequest, RequestOutput, RequestTimings
@@ -28,8 +35,10 @@ from flare.runtime.scheduler import ScheduledChunk, Scheduler
 from flare.runtime.sequence import Sequence, SeqStatus
 from flare.runtime.stop_strings import StopStringMatcher
 from flare.state.admission import CostPolicy, DeviceReuse, ReuseCounters
+from flare.state.checkpoints import CheckpointIndex
 from flare.state.pools import KVCache, PagePool
 from flare.state.prefix_index import PrefixIndex
+from flare.state.slots import StateSlotPool
 
 log = logging.getLogger(__name__)
 
@@ -61,45 +70,74 @@ class Engine:
     """Serves generation requests from one model over pools sized by a capacity plan.
 
     Args:
-        config: model hyper-parameters.
-        plan: capacity plan; the KV pool of `plan.num_pages` pages is allocated here, once.
+        config: model hyper-parameters (`ModelConfig.from_hf`; hybrid recipes read the
+            original config dict it carries).
+        plan: capacity plan; the KV pool of `plan.num_pages` pages and, for a hybrid
+            recipe, the state pool of `plan.state_slots + plan.checkpoint_slots` slots are
+            allocated here, once.
         tensors: Hugging Face-named weights in the plan's dtype.
         tokenizer: transformers tokenizer (for detokenization and EOS ids).
         device: torch device the weights live on.
+        namespace: the package id; roots every prefix-index and checkpoint key.
+        prefix_cache: reuse published state across requests (KV pages; for hybrid
+            recipes endpoints of pages + checkpoints). False: every request computes all.
+        cost_policy: the admission cost arm.
+        checkpoint_interval: hybrid recipes: override of `plan.checkpoint_interval`
+            (tokens between prefill checkpoints; 0: only end of prompt / generation).
 
     Raises:
-        ValueError: the plan cannot hold one sequence of `max_seq_len` tokens.
+        ValueError: the plan cannot hold one sequence of `max_seq_len` tokens, or has
+            fewer state slots than sequences for a hybrid recipe.
     """
 
     def __init__(self, config: ModelConfig, plan: CapacityPlan,
                  tensors: dict[str, torch.Tensor], tokenizer: Any,
                  device: str | torch.device = "cpu", *, namespace: str = "",
-                 prefix_cache: bool = True, cost_policy: CostPolicy | None = None) -> None:
+                 prefix_cache: bool = True, cost_policy: CostPolicy | None = None,
+                 checkpoint_interval: int | None = None) -> None:
         if plan.num_pages < plan.pages_per_seq:
             raise ValueError(
                 f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
                 f"{plan.max_seq_len} needs {plan.pages_per_seq}")
         self.config = config
         self.plan = plan
+        self.recipe = recipe_for(config)
+        self.layout = layout_for(config, plan)
         self.tokenizer = tokenizer
         # the server thread encodes with `tokenizer` while this thread decodes: a Rust
         # tokenizer mutated by one (padding/truncation settings) raises in the other
         self._detok_tokenizer = copy.deepcopy(tokenizer)
         self.device = torch.device(device)
-        self.model = LlamaModel(config, tensors, max_positions=plan.max_seq_len)
-        self.kv = KVCache(layout_for(config, plan), plan.num_pages, self.device)
+        self.model = build_model(config, tensors, max_positions=plan.max_seq_len)
+        self.kv = KVCache(self.layout, plan.num_pages, self.device)
         self.pool = PagePool(plan.num_pages)
+        self.states: StateSlotPool | None = None
+        live_slots, ckpt_slots = 0, 0
+        if self.layout.is_hybrid:
+            if plan.state_slots and plan.state_slots < plan.max_num_seqs:
+                raise ValueError(f"plan has {plan.state_slots} state slots for "
+                                 f"{plan.max_num_seqs} sequences")
+            live_slots = max(plan.state_slots, plan.max_num_seqs)
+            ckpt_slots = plan.checkpoint_slots if prefix_cache else 0
+            self.states = StateSlotPool(self.layout, live_slots + ckpt_slots, self.device)
+        interval = plan.checkpoint_interval if checkpoint_interval is None else checkpoint_interval
         self.reuse_counters = ReuseCounters()
         self.prefix_index: PrefixIndex | None = None
+        self.checkpoints: CheckpointIndex | None = None
         reuse = None
         if prefix_cache:
             # the namespace binds cached pages to this package and its page layout
             self.prefix_index = PrefixIndex(self.pool, plan.page_size,
                                             f"{namespace}/{plan.page_size}/{plan.dtype}")
+            if self.states is not None:
+                self.checkpoints = CheckpointIndex(self.states, ckpt_slots, plan.page_size)
             reuse = DeviceReuse(self.prefix_index, self.kv, cost_policy or CostPolicy(),
-                                self.reuse_counters)
+                                self.reuse_counters, self.checkpoints)
+        self.checkpoint_interval = interval if self.checkpoints is not None else 0
+        self._reuse = reuse
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
-                                   plan.max_batch_tokens, reuse)
+                                   plan.max_batch_tokens, reuse, self.states,
+                                   self.checkpoint_interval)
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -190,15 +228,24 @@ class Engine:
             "prefix_cache_pages": self.prefix_index.num_pages if self.prefix_index else 0,
             "prefix_cache_evicted_pages_total":
                 self.prefix_index.stats.evicted_pages if self.prefix_index else 0,
+            "state_slots_capacity": self.states.num_slots if self.states else 0,
+            "state_slots_used": self.states.num_used if self.states else 0,
+            "checkpoints": len(self.checkpoints) if self.checkpoints else 0,
+            "checkpoints_published_total":
+                self.checkpoints.stats.published if self.checkpoints else 0,
+            "checkpoints_evicted_total":
+                self.checkpoints.stats.evicted if self.checkpoints else 0,
             **self.reuse_counters.as_stats(),
         }
 
     def check_integrity(self) -> None:
         """Assert that every page's refcount equals its holders: the sequences whose page
-        table lists it plus the prefix index; and the pools' and index's own invariants.
+        table lists it plus the prefix index; that every allocated state slot has exactly
+        one holder: a running sequence or a checkpoint (waiting and finished sequences hold
+        none); and the pools' and indexes' own invariants.
 
         Raises:
-            AssertionError: naming the first page whose accounting is off.
+            AssertionError: naming the first page or slot whose accounting is off.
         """
         self.pool.check_integrity()
         holders = [0] * self.pool.num_pages
@@ -212,6 +259,31 @@ class Engine:
         for p, n in enumerate(holders):
             assert self.pool.refcount(p) == n, (
                 f"page {p}: refcount {self.pool.refcount(p)}, holders {n}")
+        if self.states is not None:
+            self.states.check_integrity()
+            slot_holders: list[object] = [None] * self.states.num_slots
+            owners: list[tuple[int, object]] = []
+            for seq in self._seqs.values():
+                if seq.state_slot >= 0:
+                    assert seq.status is SeqStatus.RUNNING, (
+                        f"{seq.request_id} is {seq.status.value} and holds slot {seq.state_slot}")
+                    owners.append((seq.state_slot, seq.request_id))
+                else:
+                    assert seq.status is not SeqStatus.RUNNING, (
+                        f"{seq.request_id} runs without a state slot")
+            if self.checkpoints is not None:
+                self.checkpoints.check_integrity()
+                owners += [(slot, "checkpoint") for slot in self.checkpoints.held_slots()]
+            for slot, owner in owners:
+                assert slot_holders[slot] is None, (
+                    f"state slot {slot} held by {slot_holders[slot]} and {owner}")
+                slot_holders[slot] = owner
+            for slot, owner in enumerate(slot_holders):
+                assert (owner is not None) == self.states.is_allocated(slot), (
+                    f"state slot {slot}: allocated {self.states.is_allocated(slot)}, "
+                    f"holder {owner}")
+        else:
+            assert all(seq.state_slot < 0 for seq in self._seqs.values())
         self.reuse_counters.check_conservation()
 
     def run_until_idle(self, requests: list[GenerationRequest]) -> dict[str, list[RequestOutput]]:
@@ -303,8 +375,16 @@ class Engine:
             return
         sampled = [c.seq for c in chunks if c.samples]
         for c in chunks:
-            c.seq.num_computed += c.num_tokens
-            self._publish_full_pages(c.seq)  # after the step: their K/V is written
+            seq = c.seq
+            before = seq.num_computed
+            prefill = seq.is_prefilling or c.num_tokens > 1
+            seq.num_computed += c.num_tokens
+            self._publish_full_pages(seq)  # after the step: their K/V is written
+            if self.checkpoints is not None:  # and the state slot is at num_computed
+                n, every = seq.num_computed, self.checkpoint_interval
+                if (before < seq.num_prompt_tokens == n  # end of the prompt
+                        or (prefill and every and n % every == 0)):  # the prefill grid
+                    self._checkpoint(seq)
         for seq, tok in zip(sampled, tokens):
             self._append(seq, tok)
 
@@ -313,6 +393,7 @@ class Engine:
         """Forward the chunks and sample a token for every chunk that reaches its end."""
         ids, positions, slots, prefills, last_rows = [], [], [], [], []
         decode_gathers: list[torch.Tensor] = []
+        decode_slots: list[int] = []
         offset = 0
         in_decode_run = True  # decode tokens lead the flat token list (see AttentionBatch)
         for c in chunks:
@@ -327,16 +408,25 @@ class Engine:
                 mask = None
                 if start > 0:  # chunk after cached context: causal with an offset
                     mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-                prefills.append(PrefillChunk(offset, c.num_tokens, gather, mask))
+                prefills.append(PrefillChunk(offset, c.num_tokens, gather, mask,
+                                             seq.state_slot))
             else:
                 decode_gathers.append(gather)
+                decode_slots.append(seq.state_slot)
             offset += c.num_tokens
             if c.samples:
                 last_rows.append(offset - 1)
-        decode = _decode_group(decode_gathers) if decode_gathers else None
+        decode = None
+        if decode_gathers:
+            decode = _decode_group(decode_gathers,
+                                   decode_slots if self.states is not None else None)
         batch = AttentionBatch(torch.cat(slots), decode, tuple(prefills))
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.int64), torch.cat(positions),
-                                    batch, self.kv)
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        if self.states is not None:
+            hidden = self.model.forward(input_ids, torch.cat(positions), batch, self.kv,
+                                        self.states)
+        else:
+            hidden = self.model.forward(input_ids, torch.cat(positions), batch, self.kv)
         if not last_rows:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows)])
@@ -376,6 +466,26 @@ class Engine:
             index.publish_tail(parent, tuple(seq.token_ids[i * ps:seq.num_computed]),
                                seq.pages[i])
 
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Publish a checkpoint of `seq`'s state slot at `seq.num_computed` (hybrid
+        recipes; between steps, after the step that produced the state completed). Keyed
+        by the chained key of its full pages and the tokens of its partial page. A failed
+        copy publishes nothing and never fails the request."""
+        ckpts, index = self.checkpoints, self.prefix_index
+        p = seq.num_computed
+        if ckpts is None or index is None or seq.state_slot < 0 or p == 0:
+            return
+        ps = self.plan.page_size
+        full = p // ps
+        if len(seq.page_keys) < full:  # its pages are not all listed: nothing to back it
+            return
+        parent = seq.page_keys[full - 1] if full else index.root
+        try:
+            ckpts.publish(parent, tuple(seq.token_ids[full * ps:p]), p, seq.state_slot,
+                          self._reuse.checkpoint_usable)
+        except Exception:
+            log.exception("checkpoint of %s at position %d failed", seq.request_id, p)
+
     def _append(self, seq: Sequence, token: int) -> None:
         """Add a sampled token to `seq`, decide whether it finished, and emit its output."""
         text_state = self._text[seq.request_id]
@@ -408,6 +518,7 @@ class Engine:
             text += text_state.stops.flush()
         if error is None:  # a failed step may have left this sequence's last page half written
             self._publish_tail(seq)
+            self._checkpoint(seq)  # end of generation: the state at num_computed
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         seq.finish_reason = reason  # type: ignore[assignment]
@@ -434,15 +545,18 @@ class Engine:
             log.exception("output callback failed for %s", seq.request_id)
 
 
-def _decode_group(gathers: list[torch.Tensor]) -> DecodeGroup:
-    """Pad per-sequence gather indices to [B, M] with a mask where lengths differ."""
+def _decode_group(gathers: list[torch.Tensor],
+                  state_slots: list[int] | None = None) -> DecodeGroup:
+    """Pad per-sequence gather indices to [B, M] with a mask where lengths differ; with
+    each sequence's state slot for hybrid recipes."""
+    slots = torch.tensor(state_slots, dtype=torch.int64) if state_slots is not None else None
     lengths = [g.numel() for g in gathers]
     m = max(lengths)
     if all(n == m for n in lengths):
-        return DecodeGroup(len(gathers), torch.stack(gathers), None)
+        return DecodeGroup(len(gathers), torch.stack(gathers), None, slots)
     gather = torch.zeros(len(gathers), m, dtype=torch.int64)
     for row, g in enumerate(gathers):
         gather[row, :g.numel()] = g
     lens = torch.tensor(lengths)
     mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
-    return DecodeGroup(len(gathers), gather, mask)
+    return DecodeGroup(len(gathers), gather, mask, slots)

@@ -10,6 +10,12 @@ requests always make progress.
 
 On admission a sequence adopts the longest cached prefix of its tokens (`DeviceReuse`), so
 its prefill starts where the cache ends.
+
+Hybrid recipes: a running sequence also holds one state slot (`StateSlotPool`), taken zeroed
+at admission (a reused endpoint's checkpoint is copied into it) and given back when it
+finishes, is aborted or preempted (a preempted sequence recomputes, or restores, its state
+at its next admission). Prefill chunks are cut at multiples of `checkpoint_interval` so the
+engine can checkpoint the state on that grid.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from dataclasses import dataclass
 
 from flare.runtime.sequence import Sequence, SeqStatus
 from flare.state.admission import DeviceReuse
-from flare.state.pools import PagePool
+from flare.state.pools import PagePool, PoolExhausted
+from flare.state.slots import StateSlotPool
 
 
 @dataclass(frozen=True)
@@ -43,12 +50,19 @@ class Scheduler:
         page_size: tokens per page.
         max_num_seqs: most running sequences.
         max_batch_tokens: most tokens in one step (>= max_num_seqs, so decodes always fit).
+        reuse: admission of cached prefixes (None: no reuse).
+        states: hybrid recipes: the state-slot pool (one slot per running sequence).
+        checkpoint_interval: cut prefill chunks at multiples of this many tokens (0: no
+            cut).
     """
 
     def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int,
-                 max_batch_tokens: int, reuse: DeviceReuse | None = None) -> None:
+                 max_batch_tokens: int, reuse: DeviceReuse | None = None,
+                 states: StateSlotPool | None = None, checkpoint_interval: int = 0) -> None:
         self.pool = pool
         self.reuse = reuse
+        self.states = states
+        self.checkpoint_interval = checkpoint_interval
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
@@ -76,12 +90,41 @@ class Scheduler:
         return True
 
     def _drop_pages(self, seq: Sequence) -> None:
-        """Release every page of `seq`; it will be computed again from its tokens."""
+        """Release every page and the state slot of `seq`; it will be computed again from
+        its tokens (or restored from what the caches still hold)."""
         self.pool.release(seq.pages)
         seq.pages = []
         seq.page_keys = []
         seq.num_computed = 0
         seq.needs_lookup = True
+        self._release_slot(seq)
+
+    def _take_slot(self, seq: Sequence) -> None:
+        """Give `seq` a zeroed state slot (hybrid recipes), retiring a checkpoint if the
+        pool is short (it cannot be while checkpoints stay within their budget)."""
+        if self.states is None or seq.state_slot >= 0:
+            return
+        try:
+            seq.state_slot = self.states.allocate()
+        except PoolExhausted:
+            ckpts = self.reuse.checkpoints if self.reuse is not None else None
+            if ckpts is None or ckpts.evict(1) == 0:
+                raise
+            seq.state_slot = self.states.allocate()
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if self.states is not None and seq.state_slot >= 0:
+            self.states.release(seq.state_slot)
+        seq.state_slot = -1
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute now: what is left, within `budget`, and for a prefill
+        not past the next multiple of the checkpoint interval."""
+        n = min(seq.num_uncomputed, budget)
+        step = self.checkpoint_interval
+        if step and n > 1:
+            n = min(n, (seq.num_computed // step + 1) * step - seq.num_computed)
+        return n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -112,15 +155,16 @@ class Scheduler:
                 break
             if seq in decoding or not seq.is_prefilling:
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             if self._grow(seq, n):
                 prefills.append(ScheduledChunk(seq, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self._take_slot(seq)
             if seq.needs_lookup and self.reuse is not None:
                 self._adopt_cached_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             if not self._grow(seq, n):
                 # admit in arrival order only: the head waits for pages, holding none (a
                 # waiting sequence that held pages could starve the running ones)
@@ -138,7 +182,7 @@ class Scheduler:
     def _adopt_cached_prefix(self, seq: Sequence) -> None:
         """Look the prefix index up for an admission attempt and adopt what it finds (a head
         that must wait for pages drops it again and looks up at its next attempt)."""
-        r = self.reuse.acquire(seq.token_ids)
+        r = self.reuse.acquire(seq.token_ids, seq.state_slot)
         seq.pages, seq.page_keys = list(r.pages), list(r.keys)
         seq.num_computed = r.num_tokens
         seq.needs_lookup = False
@@ -158,4 +202,5 @@ class Scheduler:
         if seq.pages:
             self.pool.release(seq.pages)
             seq.pages = []
+        self._release_slot(seq)
         seq.status = SeqStatus.FINISHED

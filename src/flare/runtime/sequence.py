@@ -1,4 +1,5 @@
-"""A sequence being served: its tokens, its pages, how far its KV cache is computed."""
+"""A sequence being served: its tokens, its pages (and for hybrid recipes its state slot),
+how far its state is computed."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from flare.runtime.request import FinishReason, GenerationRequest
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"  # queued; holds no pages
-    RUNNING = "running"  # holds pages; prefilling or decoding
-    FINISHED = "finished"  # pages released
+    WAITING = "waiting"  # queued; holds no pages and no state slot
+    RUNNING = "running"  # holds pages (and a state slot); prefilling or decoding
+    FINISHED = "finished"  # pages and slot released
 
 
 @dataclass(eq=False)
@@ -35,6 +36,9 @@ class Sequence:
         reuse: the first admission's outcome, as reported to the client.
         needs_lookup: look the prefix index up at the next admission (again after a
             preemption, which drops the pages).
+        state_slot: hybrid recipes: the `StateSlotPool` slot holding every conv/recurrent
+            layer state at position `num_computed` (-1 while it holds none: waiting,
+            finished, or a KV-only recipe).
     """
 
     request: GenerationRequest
@@ -48,6 +52,7 @@ class Sequence:
     page_keys: list[bytes] = field(default_factory=list)
     reuse: dict[str, object] | None = None
     needs_lookup: bool = True
+    state_slot: int = -1
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     scheduled_ns: int | None = None

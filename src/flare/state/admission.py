@@ -11,17 +11,30 @@ apart, so that:
 The cost policy is an arm: `CostPolicy.admit(match_tokens, tier)` decides whether restoring
 is worth it. For pages already in the device pool restoring costs nothing, so the default
 arm admits; tiered storage (host, disk) gives it real transfer estimates.
+
+For a hybrid recipe (`DeviceReuse` given a `CheckpointIndex`) the usable match is an
+endpoint: the largest checkpoint position P at or below the cached KV prefix (and at most
+len - 1). Restoring it is all or nothing: the checkpoint's slot is copied into the
+sequence's own slot together with the copy-on-write of the partial page; if any part of
+that fails, everything taken is given back, the sequence's slot is zeroed and the request
+computes from position 0 (an Admitted lookup that reused nothing, counted in
+`restore_failures`).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from flare.state.checkpoints import Checkpoint, CheckpointIndex
     from flare.state.pools import KVCache
     from flare.state.prefix_index import PrefixIndex
+    from flare.state.slots import StateSlotPool
+
+log = logging.getLogger(__name__)
 
 
 class Outcome(str, enum.Enum):
@@ -66,6 +79,7 @@ class ReuseCounters:
     hit_tokens: int = 0  # tokens a hit covered (vLLM: prefix_cache_hits)
     admitted_tokens: int = 0
     reused_tokens: int = 0  # tokens whose prefill was actually skipped
+    restore_failures: int = 0  # admitted restores that failed and were recomputed
 
     def record(self, outcome: Outcome, queried: int, matched: int) -> None:
         """Count one lookup of `queried` tokens with a usable match of `matched` tokens."""
@@ -96,6 +110,7 @@ class ReuseCounters:
             "reuse_hits_total": self.hits,
             "reuse_admitted_tokens_total": self.admitted_tokens,
             "reuse_reused_tokens_total": self.reused_tokens,
+            "reuse_restore_failures_total": self.restore_failures,
         }
         for outcome, n in self.outcomes.items():
             out[f"reuse_outcome_{_snake(outcome.value)}_total"] = n
@@ -131,15 +146,30 @@ class DeviceReuse:
         kv: the KV cache (for the copy-on-write of a partly matched page).
         policy: the cost arm.
         counters: where outcomes are counted.
+        checkpoints: for hybrid recipes, the checkpoint index: a prefix is then usable
+            only up to a checkpoint (KV pages alone are not a state); None for KV-only.
     """
 
     def __init__(self, index: "PrefixIndex", kv: "KVCache", policy: CostPolicy,
-                 counters: ReuseCounters) -> None:
+                 counters: ReuseCounters, checkpoints: "CheckpointIndex | None" = None) -> None:
         self.index, self.kv, self.policy, self.counters = index, kv, policy, counters
+        self.checkpoints = checkpoints
 
-    def acquire(self, tokens: list[int]) -> Reuse:
+    def checkpoint_usable(self, ckpt: "Checkpoint") -> bool:
+        """Whether every KV page of a checkpoint's prefix is still listed."""
+        return self.index.covers(ckpt.parent, ckpt.tail)
+
+    def acquire(self, tokens: list[int], state_slot: int = -1) -> Reuse:
         """Find the longest cached prefix of `tokens` (at most len - 1 positions, so one
-        token is computed for logits), decide its outcome, and adopt it when admitted."""
+        token is computed for logits), decide its outcome, and adopt it when admitted.
+
+        Args:
+            tokens: the request's token ids.
+            state_slot: hybrid recipes: the sequence's own, freshly zeroed state slot, into
+                which an admitted checkpoint is copied.
+        """
+        if self.checkpoints is not None:
+            return self._acquire_endpoint(tokens, state_slot)
         match = self.index.match(tokens, limit=len(tokens) - 1)
         n = match.num_tokens
         pool = self.index.pool
@@ -171,6 +201,61 @@ class DeviceReuse:
         used = n if copy is not None or match.partial is None else len(match.pages) * self.index.page_size
         self.counters.record(outcome, len(tokens), used)
         return Reuse(outcome, tuple(pages), match.keys, used, n)
+
+    def _acquire_endpoint(self, tokens: list[int], dst: int) -> Reuse:
+        """Hybrid recipes: adopt the endpoint (KV pages of [0, P) + checkpoint at P) with
+        the largest P within the cached prefix, all or nothing."""
+        ckpts, index, pool = self.checkpoints, self.index, self.index.pool
+        states: "StateSlotPool" = ckpts.states
+        assert states.is_allocated(dst), "a hybrid sequence looks up without its state slot"
+        ps = index.page_size
+        match = index.match(tokens, limit=len(tokens) - 1)
+        held = list(match.pages) + ([match.partial] if match.partial is not None else [])
+        pool.incref(held)  # hold what matched while deciding (an eviction cannot free it)
+        ckpt = ckpts.find(tokens, [index.root, *match.keys], match.num_tokens)
+        p = ckpt.position if ckpt is not None else 0
+        full, rest = divmod(p, ps)
+        adopted: list[int] = []
+        copy = None
+        restored = False
+        if ckpt is None:
+            outcome = Outcome.NO_MATCH
+        elif not self.policy.admit(p, p * self.kv.layout.kv_bytes_per_token
+                                   + states.bytes_per_slot, "device"):
+            outcome = Outcome.COST_REJECTED
+        elif rest and not (pool.num_free > 0 or index.evict(1) == 1):
+            outcome = Outcome.CAPACITY_REJECTED  # no page for the copy of the partial page
+        else:
+            outcome = Outcome.ADMITTED
+            if rest:
+                (copy,) = pool.allocate(1)
+            src = None
+            if rest:
+                src = match.pages[full] if full < len(match.pages) else match.partial
+            ckpts.pin(ckpt)
+            try:
+                states.copy(ckpt.slot, dst)
+                if copy is not None:
+                    self.kv.copy_page_prefix(src, copy, rest)
+                restored = True
+            except Exception:  # all or nothing: recompute from scratch
+                log.exception("restore of a checkpoint at position %d failed; recomputing", p)
+                self.counters.restore_failures += 1
+                states.zero(dst)
+            finally:
+                ckpts.unpin(ckpt)
+            if restored:
+                adopted = list(match.pages[:full])
+        keep = set(adopted)
+        pool.release([page for page in held if page not in keep])
+        if not restored and copy is not None:
+            pool.release([copy])
+            copy = None
+        self.counters.record(outcome, len(tokens), p)
+        if not restored:
+            return Reuse(outcome, matched_tokens=p)
+        pages = adopted + ([copy] if copy is not None else [])
+        return Reuse(outcome, tuple(pages), tuple(match.keys[:full]), p, p)
 
 
 def _snake(name: str) -> str:

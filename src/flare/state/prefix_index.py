@@ -133,6 +133,17 @@ class PrefixIndex:
         return PrefixMatch(tuple(pages), tuple(keys), best.page if best else None, best_len,
                            pos + best_len)
 
+    def covers(self, parent: bytes, tail: tuple[int, ...]) -> bool:
+        """Whether the pages of a prefix are all listed: the full pages keyed up to
+        `parent` (a listed node's ancestors are listed too: only leaves are evicted), and,
+        when `tail` is not empty, a child of `parent` whose first tokens are `tail`."""
+        if parent != self.root and parent not in self._full:
+            return False
+        if not tail:
+            return True
+        n = len(tail)
+        return any(node.tokens[:n] == tail for node in self._children.get(parent, ()))
+
     # ---- publish ------------------------------------------------------------------------
 
     def publish_full(self, parent: bytes, tokens: tuple[int, ...], page: int) -> tuple[bytes, int]:

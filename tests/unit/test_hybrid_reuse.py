@@ -1,0 +1,342 @@
+"""Full-state reuse for hybrid recipes: an endpoint is the KV pages of [0, P) plus a
+checkpoint of every conv/recurrent layer state at P. Checkpoints are taken at the end of
+each prompt, at the end of each generation and every `checkpoint_interval` tokens of a
+prefill; a request reuses the largest checkpoint within its cached common prefix (at most
+len - 1), never KV pages alone.
+
+Every answer served after a reuse is compared with the same request on an engine without
+reuse (cold), greedy fp32, for the tiny random Qwen3.5 and LFM2 (page size 16, checkpoint
+interval 32). Cases from shared/cases/state.md are named in docstrings.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from flare.runtime.engine import Engine
+from flare.runtime.request import GenerationRequest, SamplingParams
+from flare.state.slots import StateSlotPool
+from hybrid_models import PAGE, RECIPES, build_tiny_hybrid
+
+EVERY = 32  # checkpoint interval of these tests (two pages)
+
+
+def greedy(n: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=RECIPES)
+def tiny(request, tmp_path_factory, embedded_checkpoint):
+    root = tmp_path_factory.mktemp(f"hybrid-reuse-{request.param}")
+    return build_tiny_hybrid(request.param, root, embedded_checkpoint.tokenizer,
+                             max_seq_len=512, max_num_seqs=8, max_batch_tokens=128,
+                             checkpoint_interval=EVERY)
+
+
+def make_engine(tiny, prefix_cache: bool = True, **plan_changes) -> Engine:
+    import dataclasses
+
+    pkg = tiny.package
+    if "max_num_seqs" in plan_changes:
+        plan_changes.setdefault("state_slots", plan_changes["max_num_seqs"])
+    plan = dataclasses.replace(pkg.plan, **plan_changes)
+    return Engine(pkg.config, plan, pkg.tensors, pkg.tokenizer,
+                  namespace=pkg.manifest.package_id, prefix_cache=prefix_cache)
+
+
+@pytest.fixture(scope="module")
+def cold(tiny):
+    return make_engine(tiny, prefix_cache=False)
+
+
+def run(engine: Engine, ids: list[int], params: SamplingParams | None = None):
+    outs = engine.run_until_idle([GenerationRequest("r", ids, params or greedy())])["r"]
+    return sum((o.token_ids for o in outs), []), outs[-1]
+
+
+def words(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def assert_idle_accounting(engine: Engine) -> None:
+    engine.check_integrity()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pool.num_used == engine.prefix_index.num_pages
+    assert engine.states.num_used == len(engine.checkpoints)
+    engine.checkpoints.clear()
+    engine.prefix_index.clear()
+    engine.check_integrity()
+    assert engine.pool.num_used == 0 and engine.states.num_used == 0
+
+
+def test_whole_previous_turn_is_reused_and_equals_recompute(tiny, cold):
+    """The end-of-generation checkpoint covers the whole previous turn (all but the last
+    answer token, which was sampled and never computed)."""
+    engine = make_engine(tiny)
+    turn1 = words(37, seed=3)
+    answer, _ = run(engine, turn1, greedy(20))
+    turn2 = turn1 + answer + words(11, seed=4)
+    got, last = run(engine, turn2)
+    assert last.num_cached_tokens == len(turn1) + len(answer) - 1
+    assert last.reuse == {"outcome": "Admitted", "matched_tokens": last.num_cached_tokens,
+                          "reused_tokens": last.num_cached_tokens}
+    assert got == run(cold, turn2)[0]
+    assert_idle_accounting(engine)
+
+
+def test_template_drift_falls_back_to_the_nearest_earlier_checkpoint(tiny, cold):
+    """Case state-template-drift: the answer is resent with one token changed; the KV pages
+    match further, but the state is only known at checkpoints: the end of turn 1's prompt."""
+    engine = make_engine(tiny)
+    turn1 = words(40, seed=5)
+    answer, _ = run(engine, turn1, greedy(20))
+    drifted = answer[:7] + [answer[7] + 1] + answer[8:]
+    turn2 = turn1 + drifted + words(6, seed=6)
+    got, last = run(engine, turn2)
+    assert last.num_cached_tokens == len(turn1)  # not len(turn1) + 7: no state there
+    assert got == run(cold, turn2)[0]
+    assert_idle_accounting(engine)
+
+
+@pytest.mark.parametrize("common", [EVERY - 1, EVERY, EVERY + 1, 3 * EVERY + 5])
+def test_reuse_around_grid_checkpoints_equals_recompute(tiny, cold, common):
+    """Case state-exact-boundary, for hybrids: a long prefill leaves checkpoints every 32
+    tokens (a page boundary); a request diverging at, just before, just after or inside
+    the tail past a grid point reuses the largest grid point at or below the divergence."""
+    engine = make_engine(tiny)
+    base = words(150, seed=1)
+    run(engine, base, greedy(2))
+    ids = base[:common] + words(9, seed=2)
+    got, last = run(engine, ids)
+    assert last.num_cached_tokens == (common // EVERY) * EVERY
+    assert got == run(cold, ids)[0]
+    assert_idle_accounting(engine)
+
+
+def test_same_prompt_twice_reuses_the_largest_checkpoint_below_its_length(tiny, cold):
+    """Case state-same-prompt-twice, with max_tokens 1 and with a long generation (the
+    stored state runs past X): cached >= the largest checkpoint <= len - 1."""
+    for first_tokens in (1, 100):
+        engine = make_engine(tiny)
+        x = words(300, seed=7)
+        run(engine, x, greedy(first_tokens))
+        got, last = run(engine, x)
+        assert last.num_cached_tokens == ((len(x) - 1) // EVERY) * EVERY == 288
+        assert got == run(cold, x)[0]
+        assert_idle_accounting(engine)
+
+
+def test_short_first_turn_is_reused(tiny, cold):
+    """Case state-short-first-turn: a prompt under 64 tokens (below the grid) still gets its
+    end-of-prompt and end-of-generation checkpoints."""
+    engine = make_engine(tiny)
+    turn1 = words(21, seed=8)
+    answer, _ = run(engine, turn1, greedy(5))
+    turn2 = turn1 + answer + words(4, seed=9)
+    got, last = run(engine, turn2)
+    assert last.num_cached_tokens >= len(turn1)
+    assert got == run(cold, turn2)[0]
+
+
+def test_branches_stay_isolated(tiny, cold):
+    """Case state-branch-isolation: fork a history, continue both branches, then the
+    original branch again; each equals a cold run of its own history."""
+    engine = make_engine(tiny)
+    history = words(50, seed=10)
+    answer, _ = run(engine, history, greedy(10))
+    trunk = history + answer
+    a = trunk + words(7, seed=11)
+    b = trunk + words(9, seed=12)
+    got_a, last_a = run(engine, a, greedy(16))
+    got_b, last_b = run(engine, b, greedy(16))
+    assert last_a.num_cached_tokens == last_b.num_cached_tokens == len(trunk) - 1
+    assert got_a == run(cold, a, greedy(16))[0]
+    assert got_b == run(cold, b, greedy(16))[0]
+    again = a + got_a + words(3, seed=13)
+    got, last = run(engine, again)
+    assert last.num_cached_tokens == len(a) + len(got_a) - 1
+    assert got == run(cold, again)[0]
+    assert_idle_accounting(engine)
+
+
+def test_failed_state_restore_recomputes_from_scratch(tiny, cold, monkeypatch):
+    """Case state-restore-all-or-nothing, at the device level: the copy of the layer states
+    fails during a reuse. The request recomputes from position 0 with the right answer;
+    nothing half adopted remains (no pages, the slot zeroed), accounting is back to
+    baseline, and the counters show an admitted lookup that reused nothing."""
+    engine = make_engine(tiny)
+    turn1 = words(45, seed=20)
+    answer, _ = run(engine, turn1, greedy(10))
+    turn2 = turn1 + answer + words(5, seed=21)
+    before = engine.stats()
+
+    def broken_copy(self, src, dst):  # copies part of the state, then fails
+        first = next(iter(self.conv))
+        self.conv[first][dst].copy_(self.conv[first][src])
+        raise RuntimeError("injected: state transfer failed")
+
+    monkeypatch.setattr(StateSlotPool, "copy", broken_copy)
+    got, last = run(engine, turn2)
+    monkeypatch.undo()
+    assert got == run(cold, turn2)[0]
+    assert last.num_cached_tokens == 0
+    assert last.reuse["outcome"] == "Admitted" and last.reuse["reused_tokens"] == 0
+    after = engine.stats()
+    assert after["reuse_restore_failures_total"] == before["reuse_restore_failures_total"] + 1
+    assert after["reuse_reused_tokens_total"] == before["reuse_reused_tokens_total"]
+    assert (after["reuse_admitted_tokens_total"]
+            == before["reuse_admitted_tokens_total"] + len(turn1) + len(answer) - 1)
+    assert_idle_accounting(engine)
+
+
+def test_restored_state_equals_the_state_computed_from_scratch(tiny):
+    """Case state-restore-all-or-nothing, the Admitted half: right after admission the
+    sequence's slot holds, in every conv/recurrent layer, the state a cold prefill of the
+    same tokens reaches (here the checkpoint was taken by the decode path, the reference by
+    one prefill), and its page table holds the K/V of those positions."""
+    engine = make_engine(tiny)
+    turn1 = words(40, seed=26)
+    answer, _ = run(engine, turn1, greedy(8))
+    turn2 = turn1 + answer + words(3, seed=27)
+    p = len(turn1) + len(answer) - 1
+    engine.add_request(GenerationRequest("t2", turn2, greedy(4)))
+    engine._drain_inbox()
+    engine.scheduler.schedule()  # admission: adopt pages, restore the slot (not run yet)
+    seq = engine._seqs["t2"]
+    assert seq.num_computed == p and seq.state_slot >= 0
+    restored = engine.states.read(seq.state_slot)
+    kv_slots = engine.kv.slots(seq.pages, 0, p)
+    restored_k = engine.kv.k[:, kv_slots].clone()
+    while engine.scheduler.has_work():
+        engine.step()
+
+    ref = make_engine(tiny)
+    run(ref, turn2[:p], greedy(1))  # its end-of-prompt checkpoint is the state at p
+    (ckpt,) = [c for c in ref.checkpoints.entries() if c.position == p]
+    expected = ref.states.read(ckpt.slot)
+    assert set(restored) == set(expected)
+    for name, t in expected.items():
+        assert float(t.abs().max()) > 0, name
+        assert (restored[name] - t).abs().max() < 1e-4, name
+    row = ref.prefix_index.match(turn2[:p], p)  # K/V of positions [0, p) in the reference
+    assert row.num_tokens == p
+    ref_slots = ref.kv.slots(list(row.pages) + ([row.partial] if row.partial is not None
+                                                 else []), 0, p)
+    assert (restored_k - ref.kv.k[:, ref_slots]).abs().max() < 1e-4
+    assert_idle_accounting(engine)
+    assert_idle_accounting(ref)
+
+
+def test_a_checkpoint_whose_pages_are_gone_is_not_used(tiny, cold):
+    """An endpoint needs its KV pages and its layer states: with the pages evicted, the
+    checkpoint is not offered (NoMatch), and the answer is still right."""
+    engine = make_engine(tiny)
+    turn1 = words(40, seed=22)
+    answer, _ = run(engine, turn1, greedy(8))
+    assert len(engine.checkpoints) > 0
+    engine.prefix_index.clear()
+    turn2 = turn1 + answer + words(3, seed=23)
+    got, last = run(engine, turn2)
+    assert last.num_cached_tokens == 0 and last.reuse["outcome"] == "NoMatch"
+    assert got == run(cold, turn2)[0]
+    assert_idle_accounting(engine)
+
+
+def test_kv_pages_alone_are_never_reused(tiny, cold):
+    """With no checkpoint slots there is no endpoint: even a fully cached KV prefix is a
+    NoMatch for a hybrid recipe."""
+    engine = make_engine(tiny, checkpoint_slots=0)
+    x = words(70, seed=24)
+    run(engine, x, greedy(4))
+    assert engine.prefix_index.num_pages > 0 and len(engine.checkpoints) == 0
+    got, last = run(engine, x + words(3, seed=25))
+    assert last.num_cached_tokens == 0 and last.reuse["outcome"] == "NoMatch"
+    assert got == run(cold, x + words(3, seed=25))[0]
+    assert_idle_accounting(engine)
+
+
+def test_requests_in_one_step_never_read_unpublished_state(tiny, cold):
+    """Case state-publish-after-compute: 8 requests share a 128-token prefix and arrive
+    together; each answer equals its answer alone."""
+    engine = make_engine(tiny, max_batch_tokens=512)
+    prefix = words(128, seed=14)
+    prompts = [prefix + words(5, seed=100 + i) for i in range(8)]
+    outs = engine.run_until_idle([GenerationRequest(str(i), p, greedy(16))
+                                  for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert sum((o.token_ids for o in outs[str(i)]), []) == run(cold, p, greedy(16))[0]
+    assert_idle_accounting(engine)
+
+
+def test_abort_mid_prefill_then_same_prompt_equals_cold(tiny, cold):
+    """Case state-abort-mid-prefill: cached tokens are at most what was published (grid
+    checkpoints of the chunks computed before the abort)."""
+    prompt = words(200, seed=16)
+    expected = run(cold, prompt)[0]
+    for chunks_before_abort in (1, 3):
+        engine = make_engine(tiny, max_batch_tokens=EVERY)
+        engine.add_request(GenerationRequest("a", prompt, greedy()))
+        for _ in range(chunks_before_abort):
+            engine.step()
+        published = max([c.position for c in engine.checkpoints.entries()], default=0)
+        engine.abort("a")
+        engine.step()
+        engine.check_integrity()
+        got, last = run(engine, prompt)
+        assert got == expected
+        assert 0 < last.num_cached_tokens <= chunks_before_abort * EVERY
+        assert published <= last.num_cached_tokens
+        assert_idle_accounting(engine)
+
+
+def test_checkpoint_eviction_under_few_slots_keeps_answers_correct(tiny, cold):
+    engine = make_engine(tiny, checkpoint_slots=2)
+    for i in range(6):
+        turn1 = words(30 + 7 * i, seed=300 + i)
+        answer, _ = run(engine, turn1, greedy(4))
+        got, last = run(engine, turn1 + answer + words(2, seed=400 + i))
+        assert got == run(cold, turn1 + answer + words(2, seed=400 + i))[0]
+        assert last.num_cached_tokens >= len(turn1)
+        engine.check_integrity()
+        assert len(engine.checkpoints) <= 2
+    assert engine.stats()["checkpoints_evicted_total"] > 0
+    assert_idle_accounting(engine)
+
+
+def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
+    """60 requests: random lengths, shared prefixes, ~30% aborted mid-way, small pools."""
+    engine = make_engine(tiny, max_seq_len=256, num_pages=40, max_num_seqs=4,
+                         max_batch_tokens=48, checkpoint_slots=5)
+    rng = random.Random(17)
+    trunks = [words(rng.randrange(10, 100), seed=500 + i) for i in range(4)]
+    live: list[str] = []
+    for i in range(60):
+        ids = rng.choice(trunks)[:rng.randrange(1, 100)] + words(rng.randrange(1, 20), 600 + i)
+        engine.add_request(GenerationRequest(f"q{i}", ids, greedy(rng.randrange(1, 12))))
+        live.append(f"q{i}")
+        for _ in range(rng.randrange(0, 3)):
+            engine.step()
+        if rng.random() < 0.3:
+            engine.abort(rng.choice(live))
+        engine.check_integrity()
+    while engine.scheduler.has_work() or engine._inbox or engine._aborts:
+        engine.step()
+        engine.check_integrity()
+    stats = engine.stats()
+    assert stats["reuse_outcome_admitted_total"] > 0
+    assert (stats["reuse_lookups_total"]
+            == stats["reuse_outcome_no_match_total"] + stats["reuse_hits_total"])
+    assert_idle_accounting(engine)
+
+
+def test_chunks_are_cut_on_the_checkpoint_grid(tiny):
+    """A 100-token prefill with a 48-token budget is cut at 32, 64, 96: each grid point gets
+    a checkpoint, and so does the end of the prompt."""
+    engine = make_engine(tiny, max_batch_tokens=48)
+    run(engine, words(100, seed=30), greedy(1))
+    positions = sorted(c.position for c in engine.checkpoints.entries())
+    assert positions == [32, 64, 96, 100]
+    assert_idle_accounting(engine)

@@ -428,10 +428,12 @@ def check_capacity(p: Packet) -> CheckResult:
     if mem is None:
         missing.append("no memory report in the packet (run with --package)")
     else:
-        parts = mem["weights_bytes"] + mem["kv_pool_bytes"] + mem["workspace_bytes"]
+        # hybrid packages also hold a pool of conv/recurrent state slots (0 for KV-only)
+        parts = (mem["weights_bytes"] + mem["kv_pool_bytes"] + mem["workspace_bytes"]
+                 + mem.get("state_pool_bytes", 0))
         if parts != mem["total_bytes"]:
             fails.append(f"memory report total {mem['total_bytes']} != weights + KV pool + "
-                         f"workspace = {parts}")
+                         f"state pool + workspace = {parts}")
         if mem["total_bytes"] > mem["device_bytes"]:
             fails.append(f"memory report total {mem['total_bytes']} exceeds the device's "
                          f"{mem['device_bytes']} bytes")

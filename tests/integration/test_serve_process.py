@@ -235,14 +235,15 @@ def test_disconnect_mid_stream_frees_pages(http, server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            events = 0
+            events, seen = 0, []
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events += 1
+                    seen.append(line[:300])
                 if events >= 3:
                     break
             during = http.get("/debug/state").json()
-            assert during["num_running"] == 1, during
+            assert during["num_running"] == 1, (during, seen)
             assert _sequence_pages(during) > 0, during  # it holds pages of its own
         # leaving both blocks closed the connection with ~1,500 tokens still to go
     after = _wait_state(http, lambda s: _idle(s) and _sequence_pages(s) == 0)

@@ -93,12 +93,15 @@ class PrefixIndex:
         self._full: dict[bytes, PageNode] = {}
         self._children: dict[bytes, list[PageNode]] = {}  # parent key -> child nodes
         self._clock = itertools.count(1)
+        self._num_pages = 0
         self.stats = PrefixIndexStats()
 
     @property
     def num_pages(self) -> int:
-        """Pages the index holds (each with one reference)."""
-        return sum(len(c) for c in self._children.values())
+        """Pages the index holds (each with one reference). A plain counter, so another
+        thread (the HTTP server's stats) can read it while the engine thread changes the
+        index."""
+        return self._num_pages
 
     # ---- lookup -------------------------------------------------------------------------
 
@@ -186,6 +189,7 @@ class PrefixIndex:
         return True
 
     def _add(self, node: PageNode) -> None:
+        self._num_pages += 1
         self._children.setdefault(node.parent, []).append(node)
         parent = self._full.get(node.parent)
         if parent is not None:
@@ -210,6 +214,7 @@ class PrefixIndex:
         return freed
 
     def _remove(self, node: PageNode) -> None:
+        self._num_pages -= 1
         siblings = self._children[node.parent]
         siblings.remove(node)
         if not siblings:
@@ -250,6 +255,7 @@ class PrefixIndex:
                 counts[parent] = counts.get(parent, 0) + 1
         for key, node in self._full.items():
             assert node.children == counts.get(key, 0), f"child count of {key.hex()}"
+        assert self._num_pages == len(seen), "page counter differs from the listed pages"
 
     def held_pages(self) -> list[int]:
         return [n.page for nodes in self._children.values() for n in nodes]

@@ -23,6 +23,7 @@ from flare.models.attention import AttentionBatch, paged_attention
 from flare.models.hybrid_common import (apply_rope, causal_conv, check_state_slots, eos_ids,
                                         rms_norm, rope_tables, rope_theta)
 from flare.models.recipe import LayerStateSpec, StateLayout
+from flare.models.weights import tensor_getter
 from flare.state.pools import KVCache
 from flare.state.slots import StateSlotPool
 
@@ -200,11 +201,7 @@ class Lfm2Model:
                  max_positions: int) -> None:
         self.config = c = config
 
-        def w(name: str) -> torch.Tensor:
-            try:
-                return tensors[name]
-            except KeyError:
-                raise ValueError(f"weights lack tensor {name!r}") from None
+        w = tensor_getter(tensors)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if c.conv_bias else None

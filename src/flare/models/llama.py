@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch, paged_attention
 from flare.models.config import ModelConfig
+from flare.models.weights import tensor_getter
 from flare.state.pools import KVCache
 
 
@@ -80,11 +81,7 @@ class LlamaModel:
             c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
-        def w(name: str) -> torch.Tensor:
-            try:
-                return tensors[name]
-            except KeyError:
-                raise ValueError(f"weights lack tensor {name!r}") from None
+        w = tensor_getter(tensors)
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")

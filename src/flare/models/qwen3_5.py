@@ -28,6 +28,7 @@ from flare.models.attention import AttentionBatch, paged_attention
 from flare.models.hybrid_common import (apply_rope, causal_conv, check_state_slots, eos_ids,
                                         rms_norm, rms_norm_offset, rope_tables, rope_theta)
 from flare.models.recipe import LayerStateSpec, StateLayout
+from flare.models.weights import tensor_getter
 from flare.state.pools import KVCache
 from flare.state.slots import StateSlotPool
 
@@ -321,11 +322,7 @@ class Qwen3_5Model:
                  max_positions: int) -> None:
         self.config = c = config
 
-        def w(name: str) -> torch.Tensor:
-            try:
-                return tensors[name]
-            except KeyError:
-                raise ValueError(f"weights lack tensor {name!r}") from None
+        w = tensor_getter(tensors)
 
         self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")

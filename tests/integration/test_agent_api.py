@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from dataclasses import replace
 
 import jsonschema
 import pytest
+from server_thread import ServerThread
 
 pytestmark = pytest.mark.slow
 
@@ -61,46 +59,6 @@ PERSON = {
 # --------------------------------------------------------------------------- fixtures
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _ServerThread:
-    """uvicorn serving `create_app(make_engine())` on a free port, in a thread (the pattern
-    of test_server_api.py)."""
-
-    def __init__(self, make_engine, settings):
-        import uvicorn
-
-        from flare.server.app import create_app
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = None
-        self.engine = None
-
-        async def main():
-            self.engine = make_engine()
-            app = create_app(self.engine, settings, owns_engine=True)
-            config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-            self.server = uvicorn.Server(config)
-            await self.server.serve()
-
-        self.thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not (self.server and self.server.started):
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def server(embedded_checkpoint):
     from flare.prepare.plan import make_plan
@@ -111,7 +69,7 @@ def server(embedded_checkpoint):
     ck = embedded_checkpoint
     plan = make_plan(ck.config, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
     engine = Engine(ck.config, plan, ck.tensors, ck.tokenizer)
-    srv = _ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-agent"),
+    srv = ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-agent"),
                         ServerSettings(tool_parser="auto"))
     yield srv
     srv.stop()

@@ -87,6 +87,79 @@ def test_metric_comes_from_observations_not_from_the_summary(tmp_path: Path):
     assert any("ttft_client_ns.median" in f for f in check["findings"])
 
 
+# --------------------------------------------------------------------------- resealed edits
+
+
+def _check(receipt: dict, name: str) -> dict:
+    return next(c for c in receipt["checks"] if c["name"] == name)
+
+
+def test_resealed_1ns_move_of_one_event_fails_on_the_summary_binding(tmp_path: Path):
+    # issue 7: one event's receive time moved by 1 ns, packet.json resealed, the harness's
+    # summary kept. The move is chosen so that no figure of the summary changes.
+    folder = synthetic.build(tmp_path / "p", "resealed-1ns-move")
+    original = synthetic.build(tmp_path / "original")
+    obs = [json.loads(line) for line in (folder / OBSERVATIONS_FILE).read_text().splitlines()]
+    summary = json.loads((folder / SUMMARY_FILE).read_text())
+    assert recompute.summarize(obs)["groups"] == summary["groups"]  # no figure changed
+    assert (folder / OBSERVATIONS_FILE).read_bytes() != (original / OBSERVATIONS_FILE).read_bytes()
+    receipt = verify(folder)
+    assert receipt["verdict"] == "FAIL" and receipt["failing_checks"] == ["summary-agreement"]
+    assert statuses(receipt)["integrity"] == "pass"  # the reseal itself is consistent
+    check = _check(receipt, "summary-agreement")
+    assert check["findings"][0].startswith("observations: the summary was computed from")
+    assert check["evidence"]["observations_sha256"] != check["evidence"][
+        "summary_observations_sha256"]
+
+
+def test_summary_figures_are_compared_exactly(tmp_path: Path):
+    # the binding recomputed too: a median 0.5 ns off is a disagreement, not a rounding
+    folder = synthetic.build(tmp_path / "p", "rebound-half-ns-median")
+    receipt = verify(folder)
+    assert receipt["verdict"] == "FAIL"
+    findings = _check(receipt, "summary-agreement")["findings"]
+    assert len(findings) == 1 and ".median: summary says" in findings[0]
+
+
+def test_a_consistent_rewrite_is_invisible_offline_but_changes_the_receipt(tmp_path: Path):
+    # The limit, stated in docs/evidence.md: whoever rewrites the observations, the summary
+    # (figures and binding) and packet.json consistently makes a packet that verifies PASS.
+    # Only an identity fixed before the edit shows it: a receipt's file sha256s.
+    original = synthetic.build(tmp_path / "original")
+    before = verify(original)
+    packet, obs = synthetic.parts()
+    first = next(e for e in obs[0]["client"]["events"] if recompute.carries_tokens(e))
+    first["t_ns"] -= 1_000_000  # a 1 ms better TTFT, everything recomputed
+    synthetic.write(tmp_path / "rewritten", packet, obs)
+    after = verify(tmp_path / "rewritten")
+    assert after["verdict"] == "PASS"
+    files_before = before["identities"]["packet"]["evidence_files"]
+    files_after = after["identities"]["packet"]["evidence_files"]
+    assert files_before[OBSERVATIONS_FILE] != files_after[OBSERVATIONS_FILE]
+    assert files_before[SUMMARY_FILE] != files_after[SUMMARY_FILE]
+
+
+def test_a_summary_that_binds_no_observations_is_inconclusive(tmp_path: Path):
+    # summary schema version 1 (before the binding) cannot be tied to the observations
+    packet, obs = synthetic.parts()
+    summary = recompute.summarize(obs)
+    del summary["observations"]
+    summary["schema_version"] = 1
+    synthetic.write(tmp_path / "p", packet, obs, summary)
+    receipt = verify(tmp_path / "p")
+    assert receipt["verdict"] == "INCONCLUSIVE"
+    assert statuses(receipt)["schema"] == "inconclusive"
+    assert statuses(receipt)["summary-agreement"] == "not_run"
+    assert any("version 1 unsupported" in f for f in _check(receipt, "schema")["findings"])
+
+
+def test_summary_binds_the_bytes_the_writer_puts_in_observations_jsonl(good: Path):
+    summary = json.loads((good / SUMMARY_FILE).read_text())
+    data = (good / OBSERVATIONS_FILE).read_bytes()
+    assert summary["observations"]["sha256"] == hashlib.sha256(data).hexdigest()
+    assert summary["observations"]["count"] == data.count(b"\n")
+
+
 # --------------------------------------------------------------------------- negative packets
 
 
@@ -260,3 +333,16 @@ def test_coalesced_events_give_no_itl_sample():
     ]}}
     assert recompute.ttft_client_ns(obs) == 10
     assert recompute.itl_client_ns(obs) == [15]
+
+
+def test_memory_report_total_may_count_the_host_tier(tmp_path: Path):
+    # on CPU the host tier of endpoint states lives in the device's memory: the report's
+    # total counts it; any other total is still a capacity failure
+    for extra, verdict in ((0, "PASS"), (1, "FAIL")):
+        packet, obs = synthetic.parts()
+        mem = packet["capacity"]["memory_report"]
+        mem["host_tier_bytes"] = 1 << 30
+        mem["total_bytes"] += (1 << 30) + extra
+        synthetic.write(tmp_path / f"p{extra}", packet, obs)
+        receipt = verify(tmp_path / f"p{extra}")
+        assert receipt["verdict"] == verdict, receipt["failing_checks"]

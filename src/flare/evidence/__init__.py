@@ -11,4 +11,5 @@ only the packet exists (standard library, jsonschema).
 
 VERIFIER_NAME = "flare-evidence-verifier"
 # Bump when a check, the metric definitions or the verdict rules change meaning.
-VERIFIER_VERSION = "1.0.0"
+# 1.1.0: summary schema 2 binds the observations' sha256; figures compared exactly.
+VERIFIER_VERSION = "1.1.0"

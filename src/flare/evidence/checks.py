@@ -27,7 +27,10 @@ from flare.evidence.schema import (
     PACKET_SCHEMA,
     SCHEMA_VERSION,
     SUMMARY_FILE,
+    SUMMARY_SCHEMA,
+    SUMMARY_SCHEMA_VERSION,
     canonical_json,
+    observations_sha256,
     schema_errors,
     seal_digest,
     sha256_bytes,
@@ -35,8 +38,6 @@ from flare.evidence.schema import (
 
 PASS, FAIL, INCONCLUSIVE, NOT_RUN, NOT_APPLICABLE = (
     "pass", "fail", "inconclusive", "not_run", "not_applicable")
-# summary-agreement: how far a recomputed float may be from the summary's (ns)
-SUMMARY_TOLERANCE_NS = 1.0
 MAX_FINDINGS = 20
 
 
@@ -152,7 +153,14 @@ def load(folder: Path) -> Packet:
             p.observations = observations
 
     summ = parse_json(SUMMARY_FILE)
-    if summ is not None:
+    if isinstance(summ, dict) and (summ.get("schema") != SUMMARY_SCHEMA
+                                   or summ.get("schema_version") != SUMMARY_SCHEMA_VERSION):
+        # version 1 summaries did not bind the observations they describe
+        findings.append(f"{SUMMARY_FILE}: schema {summ.get('schema')!r} version "
+                        f"{summ.get('schema_version')!r} unsupported; this verifier reads "
+                        f"{SUMMARY_SCHEMA!r} version {SUMMARY_SCHEMA_VERSION} (it binds the "
+                        f"sha256 of the observations it summarizes)")
+    elif summ is not None:
         errs = schema_errors("summary", summ)
         findings.extend(f"{SUMMARY_FILE}: {e}" for e in errs)
         if not errs:
@@ -431,9 +439,12 @@ def check_capacity(p: Packet) -> CheckResult:
         # hybrid packages also hold a pool of conv/recurrent state slots (0 for KV-only)
         parts = (mem["weights_bytes"] + mem["kv_pool_bytes"] + mem["workspace_bytes"]
                  + mem.get("state_pool_bytes", 0))
-        if parts != mem["total_bytes"]:
+        # the host tier of endpoint states is in the total when the device is the host (CPU)
+        host = mem.get("host_tier_bytes", 0)
+        if mem["total_bytes"] not in (parts, parts + host):
             fails.append(f"memory report total {mem['total_bytes']} != weights + KV pool + "
-                         f"state pool + workspace = {parts}")
+                         f"state pool + workspace = {parts}"
+                         + (f" (+ host tier {host} = {parts + host})" if host else ""))
         if mem["total_bytes"] > mem["device_bytes"]:
             fails.append(f"memory report total {mem['total_bytes']} exceeds the device's "
                          f"{mem['device_bytes']} bytes")
@@ -635,6 +646,11 @@ def check_counters(p: Packet) -> CheckResult:
 
 
 def _compare(path: str, claimed: Any, recomputed: Any, out: list[str]) -> None:
+    """Append to `out` every difference between `claimed` and `recomputed`, by path.
+
+    Numbers are compared exactly (int and float alike: a median of integer ns is an integer
+    or a half-integer, exact in a float and in JSON), so no edit of a sample hides inside a
+    tolerance."""
     if isinstance(recomputed, dict) and isinstance(claimed, dict):
         for k in sorted(set(claimed) | set(recomputed)):
             if k not in claimed:
@@ -644,32 +660,47 @@ def _compare(path: str, claimed: Any, recomputed: Any, out: list[str]) -> None:
             else:
                 _compare(f"{path}.{k}", claimed[k], recomputed[k], out)
         return
-    num = (int, float)
-    if (isinstance(claimed, num) and isinstance(recomputed, num)
-            and not isinstance(claimed, bool) and not isinstance(recomputed, bool)):
-        exact = isinstance(claimed, int) and isinstance(recomputed, int)
-        if (claimed != recomputed) if exact else abs(claimed - recomputed) > SUMMARY_TOLERANCE_NS:
-            out.append(f"{path}: summary says {claimed}, recomputed {recomputed}")
-        return
-    if claimed != recomputed:
+    if isinstance(claimed, bool) != isinstance(recomputed, bool) or claimed != recomputed:
         out.append(f"{path}: summary says {claimed!r}, recomputed {recomputed!r}")
 
 
 def check_summary(p: Packet) -> CheckResult:
+    """The summary is a claim about the observations: it must name these observations (its
+    `observations.sha256` equals the sha256 of the canonical form of what observations.jsonl
+    parses to) and its figures must equal the recomputation from them, exactly.
+
+    The binding catches an edit of the raw data that was resealed (packet.json's file
+    digests and seal recomputed) while the harness's summary was kept, even when the edit
+    leaves every figure unchanged; the exact comparison catches any edit that changes a
+    figure, even when the binding was recomputed too. An edit whose author also rewrote
+    every figure consistently is not detectable here (docs/evidence.md)."""
     if p.observations is None or p.summary is None:
         return _not_run("summary-agreement", "observations.jsonl or summary.json")
+    findings: list[str] = []
+    claimed_binding = p.summary["observations"]
+    digest = observations_sha256(p.observations)
+    if claimed_binding["sha256"] != digest:
+        findings.append(f"observations: the summary was computed from observations with "
+                        f"sha256 {claimed_binding['sha256']} ({claimed_binding['count']} "
+                        f"requests), observations.jsonl holds {digest} "
+                        f"({len(p.observations)} requests): the raw data changed after it "
+                        f"was summarized")
+    elif claimed_binding["count"] != len(p.observations):
+        findings.append(f"observations.count: summary says {claimed_binding['count']}, "
+                        f"observations.jsonl holds {len(p.observations)}")
     try:
         recomputed = recompute.summarize(p.observations)
     except ClockDomainError as e:
         return CheckResult("summary-agreement", INCONCLUSIVE,
-                           "observations cannot be summarized", [str(e)])
-    findings: list[str] = []
+                           "observations cannot be summarized", [str(e)] + findings)
     _compare("groups", p.summary["groups"], recomputed["groups"], findings)
     return _result("summary-agreement", findings, FAIL,
-                   f"the summary equals the recomputation from observations (tolerance "
-                   f"{SUMMARY_TOLERANCE_NS} ns on non-integer statistics, exact otherwise)",
+                   "the summary names these observations (sha256) and equals the "
+                   "recomputation from them exactly",
                    "the summary disagrees with the raw observations",
-                   evidence={"tolerance_ns": SUMMARY_TOLERANCE_NS,
+                   evidence={"observations_sha256": digest,
+                             "summary_observations_sha256": claimed_binding["sha256"],
+                             "comparison": "exact",
                              "groups": sorted(recomputed["groups"])})
 
 

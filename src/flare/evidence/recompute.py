@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from flare.evidence.clocks import CLIENT, SERVER, ClockDomainError, Stamp, span
+from flare.evidence.schema import SUMMARY_SCHEMA, SUMMARY_SCHEMA_VERSION, observations_sha256
 
 REUSE_OUTCOMES = ("NoMatch", "CostRejected", "CapacityRejected", "EnqueueRejected", "Admitted")
 
@@ -249,9 +250,10 @@ def group_names(observations: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def summarize(observations: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary of a packet's observations: per group, request counts, every duration
-    metric of METRIC_DEFS ({clock, from, to, n, median, p90, min, max}), event and token
-    counts, usage sums and reuse outcomes.
+    """The summary of a packet's observations: the sha256 and count of the observations it
+    was computed from (`observations`: the binding the verifier recomputes), and per group,
+    request counts, every duration metric of METRIC_DEFS ({clock, from, to, n, median, p90,
+    min, max, sum}, ns), event and token counts, usage sums and reuse outcomes.
 
     Raises:
         ClockDomainError: an observation's client or server block carries the wrong clock
@@ -259,9 +261,11 @@ def summarize(observations: list[dict[str, Any]]) -> dict[str, Any]:
     """
     groups = {name: group_summary([o for o in observations if o["group"] == name])
               for name in group_names(observations)}
-    return {"schema": "flare-qualification-summary", "schema_version": 1,
+    return {"schema": SUMMARY_SCHEMA, "schema_version": SUMMARY_SCHEMA_VERSION,
             "statistics": {"median": "statistics.median (mean of the two middle values)",
                            "p90": "nearest rank: ceil(0.9 n)-th smallest"},
+            "observations": {"sha256": observations_sha256(observations),
+                             "count": len(observations)},
             "groups": groups}
 
 

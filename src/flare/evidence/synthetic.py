@@ -340,6 +340,59 @@ def _d_summary_disagrees(folder, packet, obs):
     write(folder, packet, obs, summary)
 
 
+def _one_ns_moves(obs: list[dict]) -> list[tuple[dict, int, int]]:
+    """Every 1-ns move of a token-carrying event's receive time that keeps the client clock
+    monotonic and no two token events at one time: (observation, event index, +1 or -1)."""
+    out = []
+    for o in obs:
+        evs = o["client"]["events"]
+        times = [o["client"]["send_ns"]] + [e["t_ns"] for e in evs] + [o["client"]["end_ns"]]
+        for j, e in enumerate(evs):
+            if not recompute.carries_tokens(e):
+                continue
+            for d in (1, -1):
+                if times[j] < e["t_ns"] + d < times[j + 2]:
+                    out.append((o, j, d))
+    return out
+
+
+def _figure_changes(before: dict, after: dict, path: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [c for k in sorted(set(before) | set(after))
+                for c in _figure_changes(before.get(k), after.get(k), f"{path}.{k}")]
+    return [] if before == after else [(path, before, after)]
+
+
+def _move_one_ns(obs: list[dict], keep: Callable[[list[tuple[str, Any, Any]]], bool]) -> None:
+    """Move the receive time of the first token-carrying event (in observation order) whose
+    1-ns move changes the summary's figures in a way `keep` accepts."""
+    before = recompute.summarize(obs)["groups"]
+    for o, j, d in _one_ns_moves(obs):
+        o["client"]["events"][j]["t_ns"] += d
+        if keep(_figure_changes(before, recompute.summarize(obs)["groups"])):
+            return
+        o["client"]["events"][j]["t_ns"] -= d
+    raise AssertionError("no 1-ns move of the kind asked for in the synthetic packet")
+
+
+def _d_resealed_1ns(folder, packet, obs):
+    # the raw data is edited after the harness summarized it, packet.json resealed, the
+    # harness's summary kept; the move changes no figure at all: only the binding shows it
+    summary = recompute.summarize(obs)
+    _move_one_ns(obs, lambda changes: not changes)
+    write(folder, packet, obs, summary)
+
+
+def _d_rebound_half_ns(folder, packet, obs):
+    # as above, and the summary's binding recomputed too, keeping its figures: the move
+    # changes one median by half a nanosecond and nothing else
+    summary = recompute.summarize(obs)
+    _move_one_ns(obs, lambda changes: len(changes) == 1 and changes[0][0].endswith(".median")
+                 and abs(changes[0][1] - changes[0][2]) == 0.5)
+    summary["observations"] = recompute.summarize(obs)["observations"]
+    write(folder, packet, obs, summary)
+
+
 def _d_truncated_jsonl(folder, packet, obs):
     write(folder, packet, obs)
     path = folder / OBSERVATIONS_FILE
@@ -400,6 +453,12 @@ DEFECTS: dict[str, tuple[str, str, Callable, str]] = {
                              "a request reused more tokens than its prompt has"),
     "summary-disagrees": ("FAIL", "summary-agreement", _d_summary_disagrees,
                           "the summary's median TTFT is 5 ms better than the raw data"),
+    "resealed-1ns-move": ("FAIL", "summary-agreement", _d_resealed_1ns,
+                          "an event's receive time moved by 1 ns after the summary was "
+                          "written, packet resealed (no figure changes: the binding does)"),
+    "rebound-half-ns-median": ("FAIL", "summary-agreement", _d_rebound_half_ns,
+                               "a 1-ns move, packet resealed and the summary's binding "
+                               "recomputed; one median is 0.5 ns off the summary's"),
     "truncated-jsonl": ("INCONCLUSIVE", "schema", _d_truncated_jsonl,
                         "observations.jsonl cut inside its last line"),
     "edited-unsealed": ("INCONCLUSIVE", "integrity", _d_edited_unsealed,

@@ -88,7 +88,9 @@ def build_packet(*, observations: list[dict[str, Any]], scenarios: list[dict[str
 def write_packet(folder: Path, packet: dict[str, Any],
                  observations: list[dict[str, Any]]) -> dict[str, Any]:
     """Summarize and write the packet. The summary is computed first, so a packet whose
-    observations mix clock domains is refused before anything is written.
+    observations mix clock domains is refused before anything is written. The summary binds
+    the sha256 of the observations it was computed from (`summary.observations`, written by
+    `recompute.summarize`), which the verifier recomputes.
 
     Raises:
         ClockDomainError: an observation's client or server block has the wrong clock label.

@@ -1,7 +1,8 @@
 """`flare` command line: prepare a runtime package, serve one.
 
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
-                                   --num-pages N --max-batch-tokens N --dtype D --name S]
+                                   --num-pages N --max-batch-tokens N --dtype D --name S
+                                   --checkpoint-interval TOKENS --checkpoint-slots N]
     flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json]
     flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
@@ -40,6 +41,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _port(text: str) -> int:
     try:
         value = int(text)
@@ -47,6 +58,16 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
     return value
 
 
@@ -72,6 +93,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="most tokens per engine step (default 512)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="serving dtype (default float32)")
+    g.add_argument("--host-tier-mib", type=_non_negative_int, default=None,
+                   help="host memory for conversation states pushed out of the KV pool, MiB "
+                        "(default 1024; 0 = none)")
+    g.add_argument("--disk-tier-mib", type=_non_negative_int, default=None,
+                   help="disk for states pushed out of the host tier, MiB (default 8192; "
+                        "0 = none; the folder is serve's --state-dir)")
 
 
 def _add_server_options(p: argparse.ArgumentParser) -> None:
@@ -88,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--out", required=True, type=Path, help="package folder to write")
     prep.add_argument("--name", default=None, help="model name (default: from the file)")
     _add_plan_options(prep)
+    ck = prep.add_argument_group("checkpoints (hybrid recipes: Qwen3.5, LFM2)")
+    ck.add_argument("--checkpoint-interval", type=_non_negative_int, default=None,
+                    metavar="TOKENS",
+                    help="checkpoint the layer states every this many tokens of a prefill, "
+                         "besides the end of each prompt and generation (default 256; 0 = "
+                         "only those); refused for KV-only recipes")
+    ck.add_argument("--checkpoint-slots", type=_non_negative_int, default=None, metavar="N",
+                    help="state slots kept for checkpoints, besides one per sequence "
+                         "(default 2 x --max-num-seqs; 0 = none); refused for KV-only recipes")
 
     serve = sub.add_parser("serve", help="serve a runtime package over HTTP (OpenAI API)")
     serve.add_argument("package", nargs="?", type=Path, help="package folder")
@@ -110,9 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body accepted, bytes (default 16 MiB; 413 beyond)")
     serve.add_argument("--max-queue", type=int, default=256,
                        help="most requests waiting for the engine before 429 (default 256)")
+    serve.add_argument("--max-messages", type=_positive_int, default=2048,
+                       help="most messages in one chat request (default 2048; 400 beyond)")
+    serve.add_argument("--request-timeout", type=_positive_float, default=None,
+                       metavar="SECONDS",
+                       help="abort a request this long after it arrived: 504, or an error "
+                            "event in a started stream (default: no limit)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="never reuse cached KV pages (every prompt is prefilled in full; "
                             "for measuring what reuse saves)")
+    serve.add_argument("--state-dir", type=Path, default=None,
+                       help="folder of the disk tier of conversation states, kept across "
+                            "restarts (default with --embedded: CACHE_DIR/state; otherwise "
+                            "none)")
+    serve.add_argument("--restore-cost-factor", type=float, default=0.5,
+                       help="restore a state from host/disk only when its transfer is "
+                            "estimated below this x the prefill it saves (default 0.5)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, wait at most this long for in-flight requests "
                             "before cancelling them (default 10)")
@@ -127,9 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plan_kwargs(args: argparse.Namespace) -> dict:
-    return {"max_seq_len": args.max_seq_len, "max_num_seqs": args.max_num_seqs,
-            "page_size": args.page_size, "num_pages": args.num_pages,
-            "max_batch_tokens": args.max_batch_tokens}
+    kw = {"max_seq_len": args.max_seq_len, "max_num_seqs": args.max_num_seqs,
+          "page_size": args.page_size, "num_pages": args.num_pages,
+          "max_batch_tokens": args.max_batch_tokens}
+    if args.host_tier_mib is not None:
+        kw["host_tier_bytes"] = args.host_tier_mib << 20
+    if args.disk_tier_mib is not None:
+        kw["disk_tier_bytes"] = args.disk_tier_mib << 20
+    return kw
 
 
 def _model_path(text: str) -> Path:
@@ -144,7 +198,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from flare.prepare.package import prepare_package
 
     manifest = prepare_package(_model_path(args.model), args.out, dtype=args.dtype,
-                               model_name=args.name, progress=True, **_plan_kwargs(args))
+                               model_name=args.name, progress=True,
+                               checkpoint_interval=args.checkpoint_interval,
+                               checkpoint_slots=args.checkpoint_slots, **_plan_kwargs(args))
     print(f"{args.out}\t{manifest.package_id}")
     return 0
 
@@ -156,16 +212,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from flare.loading.embedded import embedded_model_path
         from flare.prepare.package import ensure_package
 
-        package = ensure_package(embedded_model_path(), args.cache_dir or default_cache_dir(),
+        cache_dir = args.cache_dir or default_cache_dir()
+        package = ensure_package(embedded_model_path(), cache_dir,
                                  dtype=args.dtype, progress=True, **_plan_kwargs(args))
+        state_dir = args.state_dir or cache_dir / "state"
     else:
         package = args.package  # serve's load_package checks the contract (a one-line error)
+        state_dir = args.state_dir
+    if args.restore_cost_factor < 0:
+        raise ValueError(f"--restore-cost-factor must be >= 0, got {args.restore_cost_factor}")
     from flare.server.app import serve
 
     serve(package, host=args.host, port=args.port, tool_parser=args.tool_parser,
           api_key=args.api_key, protect_metrics=args.protect_metrics,
           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
+          max_messages=args.max_messages, request_timeout_s=args.request_timeout,
           prefix_cache=not args.no_prefix_cache,
+          state_dir=str(state_dir) if state_dir else None,
+          restore_cost_factor=args.restore_cost_factor,
           shutdown_timeout_s=args.shutdown_timeout)
     return 0
 

@@ -52,6 +52,68 @@ def test_sampling_params_mapping_and_seed_per_choice():
     assert (p0.seed, p1.seed) == (7, 8)
 
 
+def test_logprobs_and_penalties_reach_the_sampling_params():
+    p = _chat(logprobs=True, top_logprobs=3, presence_penalty=0.5, frequency_penalty=-1,
+              repetition_penalty=1.3).sampling_params(5)
+    assert (p.logprobs, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (
+        3, 0.5, -1.0, 1.3)
+    assert _chat(logprobs=True).sampling_params(5).logprobs == 0
+    assert _chat(logprobs=False).sampling_params(5).logprobs is None
+    p = _chat().sampling_params(5)
+    assert (p.logprobs, p.penalized) == (None, False)
+    comp = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 0})
+    assert comp.sampling_params(5).logprobs == 0
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"max_tokens": 5.0}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream": 1}, "stream"),
+    ({"n": "2"}, "n"),
+    ({"seed": "7"}, "seed"),
+    ({"logprobs": "true"}, "logprobs"),
+    ({"top_p": None, "stop": ("a",)}, "stop"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name"),
+    ({"parallel_tool_calls": "false"}, "parallel_tool_calls"),
+])
+def test_wrong_json_types_are_400_naming_the_field_not_coerced(kw, param):
+    err = _chat_error(**kw)
+    assert err.param == param
+    assert err.message.startswith(f"Invalid type for '{param}'"), err.message
+
+
+def test_integers_stay_accepted_where_numbers_are_expected():
+    req = _chat(temperature=1, top_p=1, presence_penalty=1, frequency_penalty=0,
+                repetition_penalty=2)
+    p = req.sampling_params(5)
+    assert (p.temperature, p.top_p, p.presence_penalty, p.repetition_penalty) == (
+        1.0, 1.0, 1.0, 2.0)
+    assert isinstance(req.temperature, float)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_numbers_are_400(value):
+    for field in ("temperature", "repetition_penalty", "presence_penalty"):
+        assert _chat_error(**{field: value}).param == field
+
+
+def test_tool_result_must_answer_an_earlier_tool_call():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ok = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]},
+          {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+    assert _chat(messages=ok).messages[2].tool_call_id == "c1"
+    stray = ok[:2] + [{"role": "tool", "tool_call_id": "c2", "content": "r"}]
+    err = _chat_error(messages=stray)
+    assert err.param == "messages[2].tool_call_id"
+    assert "'c2'" in err.message and "message 2" in err.message
+    early = [ok[0], ok[2], ok[1]]  # the result before the call it answers
+    assert _chat_error(messages=early).param == "messages[1].tool_call_id"
+
+
 def test_content_parts_joined_and_extra_fields_ignored():
     req = _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "text", "text": "b"}]}],
@@ -76,10 +138,12 @@ def test_stream_options_usage():
         ({"seed": 2**64}, "seed", "less than or equal to"),  # break-it: killed the engine
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"stop": 5}, "stop", "valid string"),
-        ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ({"frequency_penalty": -1}, "frequency_penalty", "not supported"),
-        ({"logprobs": True}, "logprobs", "not supported"),
-        ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty", "greater than or equal to -2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs", "needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"logit_bias": {"1": 5}}, "logit_bias", "not supported"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
          "1-64 characters"),
@@ -143,7 +207,8 @@ def test_completion_prompt_forms():
         ({"prompt": 3}, "prompt", "valid"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+        ({"prompt": "x", "logprobs": 6}, "logprobs", "less than or equal to 5"),
+        ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
         ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
     ],
 )

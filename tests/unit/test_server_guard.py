@@ -1,19 +1,30 @@
-"""The request guard: API key on /v1 routes, body size limit, queue limit (issue 10)."""
+"""The request guard: API key on /v1 routes, body size limit, queue limit, message count,
+request deadline, HTTP counters (issue 10)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
 
-from flare.server.guard import RequestGuard, keys_match
+from flare.server.guard import (
+    RequestGuard,
+    ServerCounters,
+    check_message_count,
+    keys_match,
+    with_deadline,
+)
+from flare.server.protocol import ApiError
 
 KEY = "sk-flare-test-0123456789"
 
 
-def make_client(api_key=KEY, max_body=1024, protect_metrics=False, waiting=0, max_queue=4):
+def make_client(api_key=KEY, max_body=1024, protect_metrics=False, waiting=0, max_queue=4,
+                counters=None):
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
@@ -34,7 +45,7 @@ def make_client(api_key=KEY, max_body=1024, protect_metrics=False, waiting=0, ma
 
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body,
                        protect_metrics=protect_metrics, queue_length=lambda: waiting,
-                       max_queue=max_queue)
+                       max_queue=max_queue, counters=counters)
     return TestClient(app)
 
 
@@ -120,3 +131,90 @@ def test_an_unexpected_error_is_a_500_body_and_the_connection_stays_usable():
     r = client.get("/v1/boom")
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert client.get("/v1/fine").json() == {"ok": True}
+
+
+def test_counters_count_responses_by_status_refusals_included():
+    counters = ServerCounters()
+    client = make_client(max_body=10, counters=counters)
+    client.get("/v1/models")  # 401
+    client.post("/v1/chat/completions", content=b"x" * 11, headers=auth(KEY))  # 413
+    client.get("/health")  # 200
+    client.get("/health")
+    counters.count_timeout()
+    assert dict(counters.responses) == {401: 1, 413: 1, 200: 2}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(counters)
+    text = generate_latest(registry).decode()
+    assert 'flare_http_responses_total{code="200"} 2.0' in text
+    assert 'flare_http_responses_total{code="413"} 1.0' in text
+    assert "flare_request_timeouts_total 1.0" in text
+
+
+def test_message_count_over_the_limit_is_a_400_naming_both():
+    check_message_count(8, 8)
+    with pytest.raises(ApiError) as e:
+        check_message_count(9, 8)
+    err = e.value
+    assert err.status_code == 400 and err.param == "messages"
+    assert err.code == "array_above_max_length"
+    assert "9" in err.message and "8" in err.message
+
+
+class _Ticker:
+    """An async stream of ints, one per `period` seconds; records that it was closed."""
+
+    def __init__(self, count: int, period: float) -> None:
+        self.count, self.period = count, period
+        self.closed = False
+
+    async def run(self):
+        try:
+            for i in range(self.count):
+                await asyncio.sleep(self.period)
+                yield i
+        finally:
+            self.closed = True
+
+
+def test_deadline_passes_a_stream_that_ends_in_time():
+    ticker = _Ticker(3, 0.001)
+
+    async def main():
+        deadline = time.monotonic() + 30
+        return [i async for i in with_deadline(ticker.run(), deadline, 30)]
+
+    assert asyncio.run(main()) == [0, 1, 2]
+    assert ticker.closed
+
+
+def test_deadline_stops_a_slow_stream_with_a_504_and_closes_it():
+    """The pending step is cancelled at the deadline (not after the next item), the
+    stream is closed (that is what aborts its engine requests), the timeout counted."""
+    ticker = _Ticker(1000, 0.05)
+    counters = ServerCounters()
+    got = []
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as e:
+            async for i in with_deadline(ticker.run(), t0 + 0.3, 0.3, counters):
+                got.append(i)
+        return e.value, time.monotonic() - t0
+
+    err, elapsed = asyncio.run(main())
+    assert err.status_code == 504 and err.code == "request_timeout"
+    assert err.type == "server_error" and "0.3 s" in err.message
+    assert ticker.closed and counters.request_timeouts == 1
+    assert 1 <= len(got) < 1000 and elapsed < 5
+
+
+def test_deadline_already_passed_starts_nothing():
+    ticker = _Ticker(5, 0.001)
+
+    async def main():
+        with pytest.raises(ApiError):
+            async for _ in with_deadline(ticker.run(), time.monotonic() - 1, 2.5):
+                pass
+
+    asyncio.run(main())
+    assert not ticker.closed  # never started; closing an unstarted generator runs nothing

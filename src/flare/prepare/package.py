@@ -48,7 +48,8 @@ from flare.loading.checkpoint import (
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.recipe import RECIPE_VERSIONS, recipe_for
-from flare.prepare.plan import (CapacityPlan, dtype_from_name, dtype_name, layout_for,
+from flare.prepare.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
+                                CapacityPlan, dtype_from_name, dtype_name, layout_for,
                                 make_plan, memory_report)
 
 WEIGHTS_NAME = "model.safetensors"
@@ -105,6 +106,16 @@ def tuning_for(device: str, plan: CapacityPlan) -> dict[str, Any]:
     return {"max_batch_tokens": plan.max_batch_tokens, "measured": False}
 
 
+def _measured_costs(ckpt: Any, plan: CapacityPlan, folder: Path, device: str,
+                    progress: bool) -> dict[str, Any]:
+    """Prefill and transfer speeds for the restore cost policy (`flare.prepare.tune`)."""
+    from flare.prepare.tune import restore_cost_inputs
+
+    _stage("measuring prefill and transfer speeds (restore cost policy)", progress)
+    return restore_cost_inputs(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer, folder,
+                               device)
+
+
 def graph_capture_for(device: str) -> dict[str, Any]:
     """The graph capture plan: nothing is captured on CPU (no CUDA graphs); on CUDA
     capture is not implemented yet."""
@@ -127,6 +138,8 @@ def write_package(
     progress: bool = True,
     checkpoint_slots: int | None = None,
     checkpoint_interval: int | None = None,
+    host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
+    disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
 ) -> Manifest:
     """Plan, tune and write a package from a loaded checkpoint (its tensors' dtype is the
     serving dtype). See `prepare_package` for arguments and errors."""
@@ -141,9 +154,11 @@ def write_package(
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      page_size=page_size, num_pages=num_pages,
                      max_batch_tokens=max_batch_tokens, dtype=serving_dtype,
-                     checkpoint_slots=checkpoint_slots, checkpoint_interval=checkpoint_interval)
+                     checkpoint_slots=checkpoint_slots, checkpoint_interval=checkpoint_interval,
+                     host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes)
     layout = layout_for(ckpt.config, plan)
-    report = memory_report(ckpt.config, plan, ckpt.weights_bytes, device_total_bytes(device))
+    report = memory_report(ckpt.config, plan, ckpt.weights_bytes, device_total_bytes(device),
+                           host_is_device=device_class == "cpu")
 
     _stage(f"writing {ckpt.weights_bytes / 2**20:,.0f} MiB of weights to {out_dir}", progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +182,8 @@ def write_package(
             device_class=device_class,
             plan=plan.to_dict(),
             memory=report.to_dict(),
-            tuning=tuning_for(device, plan),
+            tuning=tuning_for(device, plan) | _measured_costs(ckpt, plan, out_dir.parent,
+                                                              device, progress),
             graph_capture=graph_capture_for(device),
             flare_version=flare.__version__,
             torch_version=torch.__version__,
@@ -198,6 +214,8 @@ def prepare_package(
     progress: bool = True,
     checkpoint_slots: int | None = None,
     checkpoint_interval: int | None = None,
+    host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
+    disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
 ) -> Manifest:
     """Build a runtime package from a GGUF file or a Hugging Face folder.
 
@@ -215,8 +233,11 @@ def prepare_package(
         device: "cpu" or "cuda[:N]": the device class the package is prepared for; its
             total memory bounds the plan.
         checkpoint_slots, checkpoint_interval: hybrid recipes' checkpoint state slots and
-            prefill checkpoint interval in tokens (None = `make_plan`'s default; ignored,
-            0, for KV-only recipes).
+            prefill checkpoint interval in tokens (None = `make_plan`'s default: 2 x
+            max_num_seqs and 256; 0 = none; a non-zero value for a KV-only recipe raises
+            ValueError).
+        host_tier_bytes, disk_tier_bytes: budgets of the host and disk tiers of endpoint
+            states (bytes; 0 = no such tier; flare.state.tiers).
 
     Returns:
         The written manifest.
@@ -237,7 +258,8 @@ def prepare_package(
                          page_size=page_size, num_pages=num_pages,
                          max_batch_tokens=max_batch_tokens, model_name=model_name,
                          device=device, progress=progress, checkpoint_slots=checkpoint_slots,
-                         checkpoint_interval=checkpoint_interval)
+                         checkpoint_interval=checkpoint_interval,
+                         host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes)
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from flare.models.config import ModelConfig
-from flare.models.recipe import StateLayout, model_state_layout
+from flare.models.recipe import StateLayout, model_state_layout, recipe_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,6 +51,10 @@ class CapacityPlan:
             layer states at one position) for reuse; 0 for KV-only recipes.
         checkpoint_interval: a hybrid prefill is cut, and checkpointed, every this many
             tokens (besides the end of each prompt and of each generation); 0 = never.
+        host_tier_bytes: bytes of host memory for endpoint states pushed out of the device
+            pools (flare.state.tiers); 0 = no host tier.
+        disk_tier_bytes: bytes of disk for endpoint states pushed out of the host tier
+            (the folder is a serve setting); 0 = no disk tier.
     """
 
     max_seq_len: int
@@ -62,12 +66,15 @@ class CapacityPlan:
     state_slots: int = 0
     checkpoint_slots: int = 0
     checkpoint_interval: int = 0
+    host_tier_bytes: int = 0
+    disk_tier_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_num_seqs", "page_size", "num_pages", "max_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"capacity plan: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("state_slots", "checkpoint_slots", "checkpoint_interval"):
+        for name in ("state_slots", "checkpoint_slots", "checkpoint_interval",
+                     "host_tier_bytes", "disk_tier_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"capacity plan: {name} must be >= 0, got {getattr(self, name)}")
         if self.state_slots and self.state_slots < self.max_num_seqs:
@@ -101,8 +108,9 @@ class MemoryReport:
     of `max_batch_tokens` tokens (fp32 logits for each sequence's last token, plus
     hidden/MLP activations); `device_bytes` is total device memory (host RAM on CPU).
     `state_pool_bytes` = `state_slots` (live + checkpoint) x `state_bytes_per_slot`, the
-    conv/recurrent state pool of a hybrid recipe (0 for KV-only); `total_bytes` = weights +
-    KV pool + state pool + workspace.
+    conv/recurrent state pool of a hybrid recipe (0 for KV-only); `host_tier_bytes` and
+    `disk_tier_bytes` are the tiers' budgets; `total_bytes` = weights + KV pool + state pool
+    + workspace, plus the host tier when the device is the host (CPU).
     """
 
     weights_bytes: int
@@ -113,10 +121,17 @@ class MemoryReport:
     state_pool_bytes: int = 0
     state_bytes_per_slot: int = 0
     state_slots: int = 0
+    host_tier_bytes: int = 0
+    disk_tier_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+
+# Default tier budgets: the host tier holds about 20k tokens of the embedded model's fp32
+# KV state (46 KiB a token), the disk tier ten times that.
+DEFAULT_HOST_TIER_BYTES = 1 << 30
+DEFAULT_DISK_TIER_BYTES = 8 << 30
 
 # Default checkpoint interval of hybrid prefills, in tokens (a multiple of common page
 # sizes, so grid checkpoints sit on page boundaries and reuse adopts whole pages).
@@ -134,14 +149,18 @@ def make_plan(
     dtype: str = "float32",
     checkpoint_slots: int | None = None,
     checkpoint_interval: int | None = None,
+    host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
+    disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
 ) -> CapacityPlan:
     """Size a plan. Defaults: max_seq_len = the model's context (at most 8,192 tokens);
     num_pages = enough for `max_num_seqs` sequences of `max_seq_len` tokens. For a hybrid
     recipe: one live state slot per sequence, `checkpoint_slots` = 2 x max_num_seqs and
-    `checkpoint_interval` = 256 tokens; for a KV-only recipe all three are 0.
+    `checkpoint_interval` = 256 tokens; for a KV-only recipe all three are 0. Host and disk
+    tiers: 1 GiB and 8 GiB.
 
     Raises:
-        ValueError: a value out of range, naming it.
+        ValueError: a value out of range, naming it; a non-zero `checkpoint_slots` or
+            `checkpoint_interval` for a KV-only recipe, naming the value and the recipe.
     """
     if max_seq_len is None:
         max_seq_len = min(config.max_position_embeddings, 8192)
@@ -160,6 +179,13 @@ def make_plan(
         if checkpoint_interval is None:
             checkpoint_interval = DEFAULT_CHECKPOINT_INTERVAL
     else:
+        given = {k: v for k, v in (("checkpoint_slots", checkpoint_slots),
+                                   ("checkpoint_interval", checkpoint_interval)) if v}
+        if given:  # a KV-only recipe has no layer state to checkpoint
+            raise ValueError(
+                f"{', '.join(f'{k}={v}' for k, v in given.items())} given, but recipe "
+                f"{recipe_for(config)!r} keeps only KV pages: checkpoint slots and interval "
+                f"apply to hybrid recipes (conv/recurrent layer states) only")
         state_slots, checkpoint_slots, checkpoint_interval = 0, 0, 0
     return CapacityPlan(
         max_seq_len=max_seq_len,
@@ -171,6 +197,8 @@ def make_plan(
         state_slots=state_slots,
         checkpoint_slots=checkpoint_slots,
         checkpoint_interval=checkpoint_interval,
+        host_tier_bytes=host_tier_bytes,
+        disk_tier_bytes=disk_tier_bytes,
     )
 
 
@@ -181,7 +209,8 @@ def layout_for(config: ModelConfig, plan: CapacityPlan) -> StateLayout:
 
 
 def memory_report(
-    config: ModelConfig, plan: CapacityPlan, weights_bytes: int, device_bytes: int
+    config: ModelConfig, plan: CapacityPlan, weights_bytes: int, device_bytes: int,
+    host_is_device: bool = True,
 ) -> MemoryReport:
     """Bytes for weights, KV pool, state pool and one step's workspace.
 
@@ -197,15 +226,17 @@ def memory_report(
     per_slot = layout.state_bytes_per_slot
     slots = plan.num_state_slots if layout.is_hybrid else 0
     state = per_slot * slots
-    total = weights_bytes + kv + state + workspace
+    host = plan.host_tier_bytes if host_is_device else 0
+    total = weights_bytes + kv + state + workspace + host
     report = MemoryReport(weights_bytes, kv, workspace, total, device_bytes,
                           state_pool_bytes=state, state_bytes_per_slot=per_slot,
-                          state_slots=slots)
+                          state_slots=slots, host_tier_bytes=plan.host_tier_bytes,
+                          disk_tier_bytes=plan.disk_tier_bytes)
     if total > device_bytes:
         raise ValueError(
             f"plan does not fit: weights {weights_bytes:,} + KV pool {kv:,} "
             f"({plan.num_pages} pages x {layout.bytes_per_page:,} B) + state pool {state:,} "
             f"({slots} slots x {per_slot:,} B) + workspace {workspace:,} "
-            f"= {total:,} bytes > device {device_bytes:,} bytes"
+            f"+ host tier {host:,} = {total:,} bytes > device {device_bytes:,} bytes"
         )
     return report

@@ -15,11 +15,14 @@ position.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,15 +33,19 @@ from flare.models.recipe import build_model, recipe_for
 from flare.prepare.plan import CapacityPlan, layout_for
 from flare.runtime.detokenize import IncrementalDetokenizer
 from flare.runtime.request import GenerationRequest, RequestOutput, RequestTimings
-from flare.runtime.sampling import sample
+from flare.runtime.sampling import TokenHistory, sample
 from flare.runtime.scheduler import ScheduledChunk, Scheduler
 from flare.runtime.sequence import Sequence, SeqStatus
 from flare.runtime.stop_strings import StopStringMatcher
 from flare.state.admission import CostPolicy, DeviceReuse, ReuseCounters
 from flare.state.checkpoints import CheckpointIndex
+from flare.state.disk_tier import DiskTier
 from flare.state.pools import KVCache, PagePool
 from flare.state.prefix_index import PrefixIndex
+from flare.state.sessions import SessionRegistry
 from flare.state.slots import StateSlotPool
+from flare.state.tiers import TierStore
+from flare.state.transfer import TransferQueue
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +91,11 @@ class Engine:
         cost_policy: the admission cost arm.
         checkpoint_interval: hybrid recipes: override of `plan.checkpoint_interval`
             (tokens between prefill checkpoints; 0: only end of prompt / generation).
+        state_dir: folder of the disk tier of endpoint states (None: no disk tier). Its
+            records survive a restart and are offered again to the same package only.
+        host_tier_bytes, disk_tier_bytes: overrides of the plan's tier budgets (bytes).
+        max_pending_transfers: most host<->disk transfer tickets queued at once (more:
+            EnqueueRejected).
 
     Raises:
         ValueError: the plan cannot hold one sequence of `max_seq_len` tokens, or has
@@ -94,7 +106,9 @@ class Engine:
                  tensors: dict[str, torch.Tensor], tokenizer: Any,
                  device: str | torch.device = "cpu", *, namespace: str = "",
                  prefix_cache: bool = True, cost_policy: CostPolicy | None = None,
-                 checkpoint_interval: int | None = None) -> None:
+                 checkpoint_interval: int | None = None,
+                 state_dir: str | Path | None = None, host_tier_bytes: int | None = None,
+                 disk_tier_bytes: int | None = None, max_pending_transfers: int = 16) -> None:
         if plan.num_pages < plan.pages_per_seq:
             raise ValueError(
                 f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
@@ -135,6 +149,15 @@ class Engine:
                                 self.reuse_counters, self.checkpoints)
         self.checkpoint_interval = interval if self.checkpoints is not None else 0
         self._reuse = reuse
+        self._wake = threading.Condition()
+        self.sessions = SessionRegistry(Path(state_dir) if state_dir else None, namespace)
+        self.tiers: TierStore | None = None
+        if reuse is not None:
+            self.tiers = self._make_tiers(
+                reuse, namespace, state_dir,
+                plan.host_tier_bytes if host_tier_bytes is None else host_tier_bytes,
+                plan.disk_tier_bytes if disk_tier_bytes is None else disk_tier_bytes,
+                max_pending_transfers)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
                                    plan.max_batch_tokens, reuse, self.states,
                                    self.checkpoint_interval)
@@ -148,10 +171,34 @@ class Engine:
         self._text: dict[str, _SeqText] = {}
         self._inbox: list[GenerationRequest] = []
         self._aborts: list[str] = []
-        self._wake = threading.Condition()
+        self._commands: list[tuple[Callable[[], Any], Future]] = []
+        self._sampled_logprobs: dict[str, Any] = {}  # this step's, by request (`_run`)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._seed_rng = torch.Generator().manual_seed(0)
+
+    def _make_tiers(self, reuse: DeviceReuse, namespace: str, state_dir: str | Path | None,
+                    host_bytes: int, disk_bytes: int, max_pending: int) -> TierStore | None:
+        """The host tier and (with `state_dir`) the disk tier below the device pools,
+        wired to the indexes' evictions; None when both budgets are 0."""
+        disk = transfers = None
+        if state_dir is not None and disk_bytes > 0:
+            layout = json.dumps(self.layout.describe(), sort_keys=True)
+            disk = DiskTier(Path(state_dir), namespace, layout, disk_bytes)
+            transfers = TransferQueue(disk, max_pending, on_complete=self._notify)
+        if host_bytes <= 0 and disk is None:
+            return None
+        tiers = TierStore(reuse.index, self.kv, reuse.policy, max(host_bytes, 0), disk,
+                          transfers, self.checkpoints)
+        reuse.tiers = tiers
+        reuse.index.on_evict = tiers.demote_page
+        if self.checkpoints is not None:
+            self.checkpoints.on_evict = tiers.demote_checkpoint
+        return tiers
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     @classmethod
     def from_package(cls, package: Any, **kwargs: Any) -> "Engine":
@@ -193,6 +240,40 @@ class Engine:
             self._aborts.append(request_id)
             self._wake.notify()
 
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the engine thread between two steps (any thread); its result or
+        exception comes back through the returned future. For work on the pools and
+        indexes, which only the engine thread may touch (e.g. `offload`, a session save)."""
+        fut: Future = Future()
+        with self._wake:
+            self._commands.append((fn, fut))
+            self._wake.notify()
+        return fut
+
+    def offload(self) -> int:
+        """Engine thread only: move every cached page and checkpoint that no sequence holds
+        down to the host tier (and what overflows it to disk). Returns pages released."""
+        if self.prefix_index is None:
+            return 0
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
+        freed = self.prefix_index.clear()
+        if self.tiers is not None:
+            self.tiers.submit_writes()
+        return freed
+
+    def save_session(self, name: str) -> tuple[Any, int]:
+        """Engine thread only (`call`): write session `name`'s state to the disk tier.
+        Returns (write ticket or None, positions covered).
+
+        Raises:
+            SessionError: no such session; ValueError: this engine has no disk tier.
+        """
+        tokens = self.sessions.get(name).tokens
+        if self.tiers is None or self.tiers.transfers is None:
+            raise ValueError("this server has no disk tier (serve with --state-dir)")
+        return self.tiers.save(tokens)
+
     def start(self) -> None:
         """Run the step loop in a daemon thread."""
         if self._thread is None:
@@ -207,6 +288,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self.tiers is not None:
+            self.tiers.close()
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy, queue lengths and counters (a snapshot; ints)."""
@@ -236,6 +319,7 @@ class Engine:
             "checkpoints_evicted_total":
                 self.checkpoints.stats.evicted if self.checkpoints else 0,
             **self.reuse_counters.as_stats(),
+            **(self.tiers.as_stats() if self.tiers is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -306,8 +390,10 @@ class Engine:
         try:
             for r in requests:
                 self.add_request(r)
-            while self._inbox or self._aborts or self.scheduler.has_work():
-                self.step()
+            while self._inbox or self._aborts or self._commands or self.scheduler.has_work():
+                if not self.step() and self.scheduler.waiting_on_transfers:
+                    with self._wake:  # a completed transfer ticket notifies
+                        self._wake.wait(0.05)
         finally:
             self.on_output = forward
         return outputs
@@ -317,9 +403,12 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._inbox or self._aborts
-                           or self.scheduler.has_work()):
-                    self._wake.wait()
+                while not (self._stopping or self._inbox or self._aborts or self._commands
+                           or (self.scheduler.has_work()
+                               and not self.scheduler.waiting_on_transfers)):
+                    # with every request waiting on a transfer ticket, its completion
+                    # notifies; the timeout only bounds a missed notification
+                    self._wake.wait(0.1 if self.scheduler.has_work() else None)
                 if self._stopping:
                     break
             self.step()
@@ -330,6 +419,13 @@ class Engine:
         with self._wake:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            commands, self._commands = self._commands, []
+        for fn, fut in commands:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # reaches the caller, never the step loop
+                    fut.set_exception(exc)
         for req in inbox:
             self._admit(req)
         for rid in aborts:
@@ -354,12 +450,15 @@ class Engine:
         self.counters.prompt_tokens_total += n
         self.scheduler.add(seq)
 
-    def step(self) -> None:
-        """One engine step: take inbox and aborts, schedule, forward, sample, emit outputs."""
+    def step(self) -> bool:
+        """One engine step: take inbox, aborts and commands, schedule, forward, sample, emit
+        outputs. Returns False when nothing was scheduled."""
         self._drain_inbox()
         chunks = self.scheduler.schedule()
+        if self.tiers is not None:  # what this step's evictions pushed out of the host tier
+            self.tiers.submit_writes()
         if not chunks:
-            return
+            return False
         now = time.monotonic_ns()
         for c in chunks:
             if c.seq.scheduled_ns is None:
@@ -372,7 +471,7 @@ class Engine:
             self.counters.failed_steps_total += 1
             for c in chunks:
                 self._finish(c.seq, "abort", error=f"engine step failed: {exc}")
-            return
+            return True
         sampled = [c.seq for c in chunks if c.samples]
         for c in chunks:
             seq = c.seq
@@ -387,46 +486,58 @@ class Engine:
                     self._checkpoint(seq)
         for seq, tok in zip(sampled, tokens):
             self._append(seq, tok)
+        return True
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
         """Forward the chunks and sample a token for every chunk that reaches its end."""
-        ids, positions, slots, prefills, last_rows = [], [], [], [], []
-        decode_gathers: list[torch.Tensor] = []
-        decode_slots: list[int] = []
+        # Step metadata is built as Python ints and turned into a few tensors at the end:
+        # a decode token costs list appends, not tensor operations.
+        ps = self.plan.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []  # cache slot of each decode token
+        prefill_slots: list[torch.Tensor] = []  # then each prefill chunk's slots
+        decode_seqs: list[Sequence] = []
+        prefills, last_rows = [], []
         offset = 0
         in_decode_run = True  # decode tokens lead the flat token list (see AttentionBatch)
         for c in chunks:
             seq, start = c.seq, c.seq.num_computed
             end = start + c.num_tokens
             ids.extend(seq.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            slots.append(self.kv.slots(seq.pages, start, end))
-            gather = self.kv.slots(seq.pages, 0, end)
             in_decode_run = in_decode_run and c.num_tokens == 1
-            if not in_decode_run:
+            if in_decode_run:
+                positions.append(start)
+                slots.append(seq.pages[start // ps] * ps + start % ps)
+                decode_seqs.append(seq)
+            else:
+                positions.extend(range(start, end))
+                gather = self.kv.slots(seq.pages, 0, end)
+                prefill_slots.append(gather[start:])
                 mask = None
                 if start > 0:  # chunk after cached context: causal with an offset
                     mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
                 prefills.append(PrefillChunk(offset, c.num_tokens, gather, mask,
                                              seq.state_slot))
-            else:
-                decode_gathers.append(gather)
-                decode_slots.append(seq.state_slot)
             offset += c.num_tokens
             if c.samples:
                 last_rows.append(offset - 1)
         decode = None
-        if decode_gathers:
-            decode = _decode_group(decode_gathers,
-                                   decode_slots if self.states is not None else None)
-        batch = AttentionBatch(torch.cat(slots), decode, tuple(prefills))
+        if decode_seqs:
+            decode = _decode_group(
+                [s.pages for s in decode_seqs], [s.num_computed + 1 for s in decode_seqs], ps,
+                [s.state_slot for s in decode_seqs] if self.states is not None else None)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        if prefill_slots:
+            slot_mapping = torch.cat([slot_mapping, *prefill_slots])
+        batch = AttentionBatch(slot_mapping, decode, tuple(prefills))
         input_ids = torch.tensor(ids, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
         if self.states is not None:
-            hidden = self.model.forward(input_ids, torch.cat(positions), batch, self.kv,
-                                        self.states)
+            hidden = self.model.forward(input_ids, pos, batch, self.kv, self.states)
         else:
-            hidden = self.model.forward(input_ids, torch.cat(positions), batch, self.kv)
+            hidden = self.model.forward(input_ids, pos, batch, self.kv)
         if not last_rows:
             return []
         logits = self.model.logits(hidden[torch.tensor(last_rows)])
@@ -436,8 +547,13 @@ class Engine:
             allowed = constraint.allowed(logits.shape[-1]) if constraint is not None else None
             if allowed is not None:
                 logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
-        return sample(logits, [s.request.params for s in sampling],
-                      [s.generator for s in sampling])
+        result = sample(logits, [s.request.params for s in sampling],
+                        [s.generator for s in sampling],
+                        [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in sampling])
+        # read by _append/_emit of this step: the logprob goes out with its token
+        self._sampled_logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs)
+                                  if lp is not None}
+        return result.tokens
 
     def _publish_full_pages(self, seq: Sequence) -> None:
         """List every computed, not yet listed full page of `seq` in the prefix index."""
@@ -494,6 +610,8 @@ class Engine:
         seq.token_ids.append(token)
         self.counters.generation_tokens_total += 1
         if token in text_state.stop_ids:
+            if seq.request.params.logprobs is not None:  # not part of the text: no logprob
+                self._sampled_logprobs.pop(seq.request_id, None)
             self._finish(seq, "stop", new_tokens=[token])
             return
         constraint = seq.request.constraint
@@ -519,6 +637,8 @@ class Engine:
         if error is None:  # a failed step may have left this sequence's last page half written
             self._publish_tail(seq)
             self._checkpoint(seq)  # end of generation: the state at num_computed
+            if seq.request.session is not None and reason != "abort":
+                self.sessions.record(seq.request.session, seq.token_ids[:seq.num_computed])
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         seq.finish_reason = reason  # type: ignore[assignment]
@@ -532,31 +652,48 @@ class Engine:
 
     def _emit(self, seq: Sequence, tokens: list[int], text: str, *, finished: bool = False,
               timings: RequestTimings | None = None, error: str | None = None) -> None:
+        logprobs = None
+        if seq.request.params.logprobs is not None:
+            # tokens reach _emit only through _append, after _run set the step's logprobs
+            lp = self._sampled_logprobs.pop(seq.request_id, None) if tokens else None
+            logprobs = (lp,) if lp is not None else ()
         out = RequestOutput(
             request_id=seq.request_id, token_ids=tokens, text=text, finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_completion_tokens=seq.num_completion_tokens,
             num_cached_tokens=seq.num_cached_tokens, timings=timings, error=error,
-            reuse=seq.reuse if finished else None)
+            reuse=seq.reuse if finished else None, logprobs=logprobs)
         try:
             self.on_output(out)
         except Exception:  # a broken consumer must not stop the step loop
             log.exception("output callback failed for %s", seq.request_id)
 
 
-def _decode_group(gathers: list[torch.Tensor],
+def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
                   state_slots: list[int] | None = None) -> DecodeGroup:
-    """Pad per-sequence gather indices to [B, M] with a mask where lengths differ; with
-    each sequence's state slot for hybrid recipes."""
+    """The decode group of B sequences, in a handful of tensor operations whatever B.
+
+    Args:
+        pages: each sequence's page table.
+        lengths: each sequence's context length in tokens, its new token included.
+        page_size: tokens per page.
+        state_slots: hybrid recipes: each sequence's state slot; None for KV-only.
+
+    Returns:
+        A `DecodeGroup` whose gather is int64 [B, M] (contiguous), M = max(lengths): the
+        cache slots of positions 0..M-1; rows of shorter sequences point at slots of page 0
+        past their length, and `mask` ([B, 1, 1, M], True = attend) hides them (None when
+        every length is M).
+    """
+    b, m = len(lengths), max(lengths)
+    n = -(-m // page_size)  # pages of the longest sequence
+    table = torch.tensor([p[:n] + [0] * (n - len(p[:n])) for p in pages], dtype=torch.int64)
+    offsets = torch.arange(page_size, dtype=torch.int64)
+    gather = (table[:, :, None] * page_size + offsets).view(b, n * page_size)[:, :m]
+    mask = None
+    if min(lengths) != m:
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
     slots = torch.tensor(state_slots, dtype=torch.int64) if state_slots is not None else None
-    lengths = [g.numel() for g in gathers]
-    m = max(lengths)
-    if all(n == m for n in lengths):
-        return DecodeGroup(len(gathers), torch.stack(gathers), None, slots)
-    gather = torch.zeros(len(gathers), m, dtype=torch.int64)
-    for row, g in enumerate(gathers):
-        gather[row, :g.numel()] = g
-    lens = torch.tensor(lengths)
-    mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
-    return DecodeGroup(len(gathers), gather, mask, slots)
+    return DecodeGroup(b, gather.contiguous(), mask, slots)

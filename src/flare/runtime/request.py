@@ -35,6 +35,17 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (EOS ids are added by the engine
             unless `ignore_eos`); the stop token is not part of the returned text.
         ignore_eos: keep going past end-of-sequence tokens (benchmarks).
+        logprobs: None: no log-probabilities (nothing is computed). k >= 0: every sampled
+            token's log-probability plus the k most likely alternatives
+            (`RequestOutput.logprobs`), from the model's log-softmax after any token
+            constraint's mask, before penalties, temperature, top-k and top-p.
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token that
+            appears in the completion so far (OpenAI's).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per time it
+            appears in the completion so far (OpenAI's).
+        repetition_penalty: > 0; for every token of the prompt or the completion so far, a
+            positive logit is divided by it and a negative one multiplied (transformers' and
+            vLLM's). 1 disables it.
     """
 
     max_tokens: int = 16
@@ -45,6 +56,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -57,11 +72,42 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 and finite, "
+                             f"got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         # a temperature this small is argmax in fp32 anyway, and dividing by it overflows
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one sampled token, and of the most likely alternatives.
+
+    Attributes:
+        token_id: the sampled token.
+        logprob: its natural-log probability (<= 0; -inf where a constraint forbade it).
+        top: up to k `(token_id, logprob)` pairs, most likely first (k is
+            `SamplingParams.logprobs`); may or may not contain the sampled token.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @runtime_checkable
@@ -94,6 +140,8 @@ class GenerationRequest:
         params: sampling and stopping.
         arrival_ns: `time.monotonic_ns()` when the server received it (server clock).
         constraint: optional token constraint (structured output, forced tool calls).
+        session: a session name (`flare.state.sessions`): when the request finishes, the
+            session's latest state becomes the tokens it computed.
     """
 
     request_id: str
@@ -101,6 +149,7 @@ class GenerationRequest:
     params: SamplingParams
     arrival_ns: int = 0
     constraint: TokenConstraint | None = None
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +179,9 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache, not computed.
         timings: server clock, filled on the final output.
         error: set when the engine failed this request (finish_reason is "abort").
+        logprobs: None unless the request asked (`SamplingParams.logprobs`); then one entry
+            per token of `token_ids` that is part of the text, in order: a final stop token
+            (end-of-sequence or a `stop_token_ids` id) has none.
         reuse: on the final output, how the prompt's cached state was looked up and used:
             {"outcome": "NoMatch" | "CostRejected" | "CapacityRejected" |
             "EnqueueRejected" | "Admitted", "matched_tokens": int, "reused_tokens": int};
@@ -147,3 +199,4 @@ class RequestOutput:
     timings: RequestTimings | None = None
     error: str | None = None
     reuse: dict[str, object] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None

@@ -1,26 +1,93 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a generator per request.
+"""Token sampling: log-probabilities, penalties, greedy, temperature, top-k, top-p.
 
-Each request owns a `torch.Generator`, so a seeded request draws the same tokens whether
-it runs alone or in a batch: no row's draw depends on another row.
+For each row of a step's logits, in this order (each only for the rows whose request asked):
+1. (the engine, before `sample`) a token constraint's mask: forbidden tokens get -inf.
+2. log-probabilities: log-softmax of those logits, so they describe the model's own
+   distribution over the tokens the constraint allows, not the sampler's.
+3. penalties: repetition (prompt and completion), then frequency and presence (completion).
+4. greedy argmax, or temperature, top-k, top-p and a draw with the request's generator.
+
+Every step reads and writes only its own row, and each request owns a `torch.Generator`, so
+a request draws the same tokens (and reports the same logprobs) whether it runs alone or in
+a batch, whatever the other rows asked for.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from flare.runtime.request import SamplingParams
+from flare.runtime.request import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 
+class TokenHistory(NamedTuple):
+    """The tokens a row's penalties look at.
+
+    Attributes:
+        token_ids: the prompt followed by the completion tokens generated so far.
+        num_prompt_tokens: how many of `token_ids` are the prompt.
+    """
+
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """What `sample` picked for N rows.
+
+    Attributes:
+        tokens: one token id per row.
+        logprobs: per row, the sampled token's `TokenLogprob`, or None where the request
+            did not ask for logprobs.
+    """
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams,
+                    history: TokenHistory) -> torch.Tensor:
+    """Penalize fp32 logits [vocab] in place for the tokens of `history`; returns `logits`.
+
+    Repetition penalty r (over prompt and completion, each distinct token once): a positive
+    logit becomes logit / r, a negative one logit * r. Then, with c the number of times a
+    token occurs in the completion so far, logit -= frequency_penalty * c +
+    presence_penalty * (c > 0). Token ids outside [0, vocab) are ignored. A -inf logit
+    (masked by a constraint) stays -inf.
+    """
+    vocab = logits.shape[-1]
+    ids = history.token_ids
+    r = params.repetition_penalty
+    if r != 1.0 and len(ids) > 0:
+        seen = torch.tensor(list(ids), dtype=torch.int64, device=logits.device).unique()
+        seen = seen[(seen >= 0) & (seen < vocab)]
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / r, vals * r)
+    completion = ids[history.num_prompt_tokens:]
+    if (params.frequency_penalty or params.presence_penalty) and len(completion) > 0:
+        done = torch.tensor(list(completion), dtype=torch.int64, device=logits.device)
+        done = done[(done >= 0) & (done < vocab)]
+        counts = torch.bincount(done, minlength=vocab).to(logits.dtype)  # [vocab]
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
 def sample_one(logits: torch.Tensor, params: SamplingParams,
                generator: torch.Generator) -> int:
-    """Pick one token id from fp32 logits [vocab].
+    """Pick one token id from fp32 logits [vocab] (penalties already applied).
 
     Order as in transformers' logits processors: temperature, then top-k, then top-p
     (the smallest set of most likely tokens whose mass reaches `top_p`), then a draw.
+
+    Raises:
+        RuntimeError: the distribution is degenerate (all -inf, NaN): torch's multinomial.
     """
     if params.greedy:
         return int(torch.argmax(logits))
@@ -40,12 +107,35 @@ def sample_one(logits: torch.Tensor, params: SamplingParams,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> list[int]:
-    """Pick a token for each row of fp32 logits [N, vocab]; returns N token ids.
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator],
+           histories: Sequence[TokenHistory] | None = None) -> SampleResult:
+    """Pick a token for each row of fp32 logits [N, vocab] (module docstring for the order).
 
-    Greedy rows are taken in one argmax; sampled rows each use their own generator.
+    Args:
+        logits: [N, vocab] fp32, after any constraint mask; penalized rows are modified in
+            place.
+        params: N requests' sampling parameters.
+        generators: N per-request generators (used by sampled rows only).
+        histories: N token histories, needed when any row has a penalty (None: no row is
+            penalized).
+
+    Log-probabilities (log-softmax over the vocabulary, natural log) and the top-k
+    alternatives are computed only for rows whose `params.logprobs` is not None; rows
+    without penalties are not touched. Greedy rows are taken in one argmax; sampled rows
+    each draw from their own generator. A sampled row whose distribution is degenerate
+    falls back to the argmax rather than fail the batch.
+
+    Raises:
+        ValueError: a penalized row without a history.
     """
+    want = [row for row, p in enumerate(params) if p.logprobs is not None]
+    logprobs = torch.log_softmax(logits[want], dim=-1) if want else None  # [R, vocab]
+    for row, p in enumerate(params):
+        if p.penalized:
+            if histories is None:
+                raise ValueError(f"row {row} has penalties but no token history was given")
+            apply_penalties(logits[row], p, histories[row])
     out = torch.argmax(logits, dim=-1).tolist()
     for row, (p, g) in enumerate(zip(params, generators)):
         if not p.greedy:
@@ -53,4 +143,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                 out[row] = sample_one(logits[row], p, g)
             except RuntimeError:  # degenerate distribution: one row must not fail the batch
                 log.warning("sampling row %d failed (%s); taking the argmax", row, p)
-    return out
+    result: list[TokenLogprob | None] = [None] * len(out)
+    if logprobs is not None:
+        chosen = torch.tensor([out[row] for row in want], device=logprobs.device)
+        picked = logprobs.gather(1, chosen[:, None])[:, 0].tolist()  # [R]
+        k = min(max(params[row].logprobs or 0 for row in want), logprobs.shape[-1])
+        top_vals: list[list[float]] = [[] for _ in want]
+        top_ids: list[list[int]] = [[] for _ in want]
+        if k > 0:
+            vals, idx = torch.topk(logprobs, k, dim=-1)  # [R, k], most likely first
+            top_vals, top_ids = vals.tolist(), idx.tolist()
+        for i, row in enumerate(want):
+            n = params[row].logprobs or 0
+            result[row] = TokenLogprob(out[row], picked[i],
+                                       tuple(zip(top_ids[i][:n], top_vals[i][:n])))
+    return SampleResult(out, result)

@@ -159,11 +159,16 @@ class Scheduler:
             if self._grow(seq, n):
                 prefills.append(ScheduledChunk(seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if seq.ticket is not None and not seq.ticket.done.is_set():
+                continue  # its state is on its way from disk; the others go on
             self._take_slot(seq)
             if seq.needs_lookup and self.reuse is not None:
-                self._adopt_cached_prefix(seq)
+                if not self._adopt_cached_prefix(seq):
+                    self._release_slot(seq)  # waits for a transfer ticket, holding nothing
+                    continue
             n = self._chunk(seq, budget)
             if not self._grow(seq, n):
                 # admit in arrival order only: the head waits for pages, holding none (a
@@ -172,17 +177,39 @@ class Scheduler:
                 break
             if self.reuse is not None:  # the adopted prefix is now really skipped
                 self.reuse.counters.reused_tokens += seq.num_computed
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             prefills.append(ScheduledChunk(seq, n))
             budget -= n
         return decodes + prefills
 
-    def _adopt_cached_prefix(self, seq: Sequence) -> None:
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """True when every waiting sequence waits for a transfer ticket and none runs
+        (the engine then sleeps until a ticket completes instead of spinning)."""
+        return (not self.running and bool(self.waiting)
+                and all(s.ticket is not None and not s.ticket.done.is_set()
+                        for s in self.waiting))
+
+    def _drop_ticket(self, seq: Sequence) -> None:
+        if seq.ticket is not None:
+            if self.reuse is not None and self.reuse.tiers is not None:
+                self.reuse.tiers.transfers.drop_waiter(seq.ticket, seq.request_id)
+            seq.ticket = None
+
+    def _adopt_cached_prefix(self, seq: Sequence) -> bool:
         """Look the prefix index up for an admission attempt and adopt what it finds (a head
-        that must wait for pages drops it again and looks up at its next attempt)."""
-        r = self.reuse.acquire(seq.token_ids, seq.state_slot)
+        that must wait for pages drops it again and looks up at its next attempt). Returns
+        False when the sequence must first wait for a transfer ticket (`seq.ticket`)."""
+        ticket = seq.ticket
+        r = self.reuse.acquire(seq.token_ids, seq.state_slot, seq.request_id, ticket)
+        if r.wait is not None:
+            if ticket is not None:
+                self._drop_ticket(seq)
+            seq.ticket = r.wait
+            return False
+        self._drop_ticket(seq)
         seq.pages, seq.page_keys = list(r.pages), list(r.keys)
         seq.num_computed = r.num_tokens
         seq.needs_lookup = False
@@ -190,6 +217,7 @@ class Scheduler:
             seq.reuse = {"outcome": r.outcome.value, "matched_tokens": r.matched_tokens,
                          "reused_tokens": r.num_tokens}
             seq.num_cached_tokens = r.num_tokens
+        return True
 
     def finish(self, seq: Sequence) -> None:
         """Release everything `seq` holds and forget it (idempotent)."""
@@ -203,4 +231,5 @@ class Scheduler:
             self.pool.release(seq.pages)
             seq.pages = []
         self._release_slot(seq)
+        self._drop_ticket(seq)  # a cancelled restore: its copy is not ours to stop
         seq.status = SeqStatus.FINISHED

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ class Sequence:
         state_slot: hybrid recipes: the `StateSlotPool` slot holding every conv/recurrent
             layer state at position `num_computed` (-1 while it holds none: waiting,
             finished, or a KV-only recipe).
+        ticket: a transfer ticket bringing this sequence's state from disk; while it is
+            not done the sequence waits (holding no pages and no slot).
     """
 
     request: GenerationRequest
@@ -53,6 +56,7 @@ class Sequence:
     reuse: dict[str, object] | None = None
     needs_lookup: bool = True
     state_slot: int = -1
+    ticket: Any = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     scheduled_ns: int | None = None

@@ -24,6 +24,10 @@ Policies:
   required / named and response_format are enforced by an llguidance grammar per choice
   (`flare.server.grammar`), compiled off the event loop; a schema it cannot enforce is a
   400 naming the field.
+- Limits (`flare.server.guard`, docs/operations.md): API key, body size (413), queue
+  length (429), messages per request (400), a per-request timeout (504, or an error event
+  in a stream that has begun). Rendering and tokenizing a prompt run in a worker thread,
+  so a huge prompt does not stall the event loop (other streams keep flowing).
 - Every final response (and the last stream chunk) carries the `flare` extension object:
   per choice, request id, server-clock timings and reuse outcome (docs/api-extensions.md).
 """
@@ -58,7 +62,8 @@ from flare.server.grammar import (
     json_grammar,
     tool_call_grammar,
 )
-from flare.server.guard import RequestGuard
+from flare.server.guard import RequestGuard, ServerCounters, check_message_count, with_deadline
+from flare.server.logprobs import chat_logprobs, completion_logprobs
 from flare.server.protocol import (
     ApiError,
     AssistantMessage,
@@ -75,6 +80,7 @@ from flare.server.protocol import (
     error_body,
     validation_error,
 )
+from flare.server.sessions import sessions_router
 from flare.server.streaming import (
     ChunkBuilder,
     Tally,
@@ -108,6 +114,9 @@ class ServerSettings:
         protect_metrics: require the key on /metrics and /debug/state too.
         max_body_bytes: largest request body accepted (413 beyond).
         max_queue: most requests waiting for the engine before new ones get 429.
+        max_messages: most messages in one chat request (400 beyond).
+        request_timeout_s: seconds from a request's arrival after which it is aborted
+            (504, or an error event in a stream); None: no limit.
     """
 
     served_model_name: str | None = None
@@ -117,8 +126,15 @@ class ServerSettings:
     protect_metrics: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     max_queue: int = 256
+    max_messages: int = 2048
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_messages < 1:
+            raise ValueError(f"max_messages must be at least 1, got {self.max_messages}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request timeout must be positive seconds, got "
+                             f"{self.request_timeout_s}")
         if self.tool_parser not in ("auto", *TOOL_PARSERS):
             raise ValueError(f"unknown tool parser {self.tool_parser!r}; expected one of "
                              f"auto, {', '.join(TOOL_PARSERS)}")
@@ -235,6 +251,8 @@ def create_app(
     started = int(time.time())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(engine))
+    counters = ServerCounters()
+    registry.register(counters)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -247,8 +265,9 @@ def create_app(
                        max_body_bytes=settings.max_body_bytes,
                        protect_metrics=settings.protect_metrics,
                        queue_length=lambda: engine.stats().get("num_waiting", 0),
-                       max_queue=settings.max_queue)
+                       max_queue=settings.max_queue, counters=counters)
     app.state.engine = engine
+    app.include_router(sessions_router(engine))
     app.state.settings = settings
     app.state.registry = registry
     app.state.tool_format = tool_format
@@ -311,7 +330,8 @@ def create_app(
                 request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
                 params=req.sampling_params(max_tokens, choice_index=i),
                 arrival_ns=arrival_ns,
-                constraint=constraints[i] if constraints else None))
+                constraint=constraints[i] if constraints else None,
+                session=req.session if i == 0 else None))  # choice 0 continues a session
             for i in range(req.n)
         ]
 
@@ -367,10 +387,13 @@ def create_app(
         streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns,
                                   constraints)
         outputs = merge_streams(streams)
+        if settings.request_timeout_s is not None:
+            deadline = arrival_ns / 1e9 + settings.request_timeout_s  # monotonic clock, s
+            outputs = with_deadline(outputs, deadline, settings.request_timeout_s, counters)
 
         if req.stream:
             builder = ChunkBuilder(kind, response_id, served_name, created, engine.package_id,
-                                   req.include_usage)
+                                   req.include_usage, tokenizer=engine.tokenizer)
             parsers: list[ToolCallParser | None] | None = (
                 [make_parser() for _ in range(req.n)] if make_parser else None)
             return _ClosingStreamingResponse(
@@ -404,7 +427,8 @@ def create_app(
                     content=parsed.content if parsed.content or not calls else None,
                     tool_calls=calls or None)
                 choices.append(ChatChoice(index=i, message=message, finish_reason=(
-                    api_finish_reason(c.finish_reason, bool(calls)))))
+                    api_finish_reason(c.finish_reason, bool(calls))),
+                    logprobs=chat_logprobs(c.logprobs, engine.tokenizer)))
             body: Any = ChatCompletionResponse(
                 id=response_id, created=created, model=served_name,
                 system_fingerprint=engine.package_id or None, usage=usage, choices=choices,
@@ -413,7 +437,9 @@ def create_app(
             body = CompletionResponse(
                 id=response_id, created=created, model=served_name,
                 system_fingerprint=engine.package_id or None, usage=usage,
-                choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason)
+                choices=[CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                          logprobs=completion_logprobs(c.logprobs,
+                                                                       engine.tokenizer))
                          for i, c in enumerate(tally.choices)],
                 flare=flare_extension(tally))
         return JSONResponse(body.model_dump())
@@ -426,10 +452,12 @@ def create_app(
         arrival_ns = time.monotonic_ns()
         check_model(body.model)
         check_n(body.n)
+        check_message_count(len(body.messages), settings.max_messages)
         mode = body.tool_mode
         tools = body.tools if mode != "none" else None
-        try:
-            prompt_ids = chat_prompt_ids(engine.tokenizer, body.messages, tools, tool_format)
+        try:  # off the event loop: a multi-MB prompt takes seconds to render and tokenize
+            prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer,
+                                                 body.messages, tools, tool_format)
         except ChatTemplateError as e:
             param = f"messages[{e.message_index}]" if e.message_index is not None else "messages"
             raise ApiError(400, str(e), param=param, code="invalid_chat_template_input") from e
@@ -454,7 +482,7 @@ def create_app(
         tokenizer = engine.tokenizer
         if isinstance(body.prompt, str):
             try:
-                prompt_ids = list(tokenizer.encode(body.prompt))
+                prompt_ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt))
             except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape
                 raise ApiError(400, f"prompt text cannot be encoded: {e}",
                                param="prompt") from e
@@ -491,7 +519,8 @@ def create_app(
 
 def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", *, prefix_cache: bool = True,
-          shutdown_timeout_s: float = 10.0, **settings: Any) -> None:
+          shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
+          restore_cost_factor: float = 0.5, **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
@@ -504,6 +533,11 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         prefix_cache: reuse cached KV pages across requests (the engine's prefix index).
         shutdown_timeout_s: on SIGTERM/SIGINT, how long in-flight requests may run before
             their connections are closed (which aborts them in the engine); then exit 0.
+        state_dir: folder of the disk tier of conversation states (None: no disk tier);
+            states there survive a restart and are offered to this package only.
+        restore_cost_factor: restore from host/disk only when the estimated transfer time
+            is below this factor x the estimated prefill time it saves (speeds measured by
+            prepare, manifest tuning).
         **settings: `ServerSettings` fields.
 
     Raises:
@@ -516,9 +550,13 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
     from flare.runtime.async_engine import AsyncEngine
     from flare.runtime.engine import Engine
 
+    from flare.prepare.tune import cost_policy_from_tuning
+
     server_settings = ServerSettings(**settings)
     package = load_package(package_path)
-    engine = Engine.from_package(package, prefix_cache=prefix_cache)
+    policy = cost_policy_from_tuning(package.manifest.tuning, restore_cost_factor)
+    engine = Engine.from_package(package, prefix_cache=prefix_cache, cost_policy=policy,
+                                 state_dir=state_dir)
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,

@@ -1,7 +1,7 @@
-"""Who and how much gets in: API key, request body size, queue length (ASGI middleware).
+"""Server limits: who and how much gets in, and for how long (ASGI middleware + helpers).
 
-Runs before FastAPI parses anything, so an oversized or unauthorized request costs the
-server nothing. Every refusal is an OpenAI-style error body:
+The middleware runs before FastAPI parses anything, so an oversized or unauthorized request
+costs the server nothing. Every refusal is an OpenAI-style error body:
 
 - 401 `invalid_api_key`: a key is set (`--api-key` or `FLARE_API_KEY`) and the request's
   `Authorization: Bearer <key>` is missing or wrong, on every `/v1` route. The compare is
@@ -13,15 +13,38 @@ server nothing. Every refusal is an OpenAI-style error body:
   server-side EnqueueRejected).
 - 500 `internal_error`: anything unexpected inside; answered here so the connection stays
   usable.
+
+Limits the routes apply once the body is parsed (helpers below):
+
+- 400 `array_above_max_length`: a chat request with more messages than `--max-messages`
+  (`check_message_count`).
+- 504 `request_timeout`: the request ran longer than `--request-timeout` seconds, counted
+  from its arrival (`with_deadline`). Its engine requests are aborted, which frees their
+  pages; a stream that has begun gets the error as an event, then `[DONE]`. 504 and not
+  408: the request itself was complete and valid, the server gave up producing the answer
+  (408 also tells HTTP clients the connection is being closed); the `openai` SDKs treat it
+  as a server error and retry it (`max_retries`).
+
+`ServerCounters` counts what the engine never sees (responses by status, timeouts) for
+/metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
-from collections.abc import Callable
-from typing import Any
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, TypeVar
+
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from flare.server.protocol import ApiError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -29,12 +52,98 @@ Send = Callable[[dict[str, Any]], Any]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 _OPEN_PATHS = {"/health"}
 _STATS_PATHS = {"/metrics", "/debug/state"}
 
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class ServerCounters(Collector):
+    """HTTP-side counters for /metrics (a prometheus `Collector`; thread-safe).
+
+    Exposed as `flare_http_responses_total{code="..."}` (responses by HTTP status, a
+    stream counted by its 200 when it starts) and `flare_request_timeouts_total` (requests
+    that ran past `--request-timeout`, streamed or not).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.responses: Counter[int] = Counter()
+        self.request_timeouts = 0
+
+    def count_response(self, status: int) -> None:
+        with self._lock:
+            self.responses[status] += 1
+
+    def count_timeout(self) -> None:
+        with self._lock:
+            self.request_timeouts += 1
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            responses = sorted(self.responses.items())
+            timeouts = self.request_timeouts
+        family = CounterMetricFamily("flare_http_responses",
+                                     "HTTP responses sent, by status code", labels=["code"])
+        for status, count in responses:
+            family.add_metric([str(status)], count)
+        yield family
+        yield CounterMetricFamily("flare_request_timeouts",
+                                  "requests aborted by --request-timeout", value=timeouts)
+
+
+def check_message_count(num_messages: int, limit: int) -> None:
+    """Refuse a chat request with more than `limit` messages.
+
+    Raises:
+        ApiError: 400 `array_above_max_length` naming the count and the limit.
+    """
+    if num_messages > limit:
+        raise ApiError(400, f"messages has {num_messages} entries; this server accepts at "
+                            f"most {limit} per request (flare serve --max-messages).",
+                       param="messages", code="array_above_max_length")
+
+
+async def with_deadline(stream: AsyncIterator[T], deadline: float, timeout_s: float,
+                        counters: ServerCounters | None = None) -> AsyncIterator[T]:
+    """Yield `stream`'s items until `deadline`, then stop it and raise.
+
+    Args:
+        stream: an async iterator (the merged engine streams of one request); it is closed
+            (`aclose`) however this ends, which aborts its engine requests.
+        deadline: `time.monotonic()` value (s) after which no more items are awaited.
+        timeout_s: the configured timeout (s), for the message.
+        counters: where the timeout is counted, if given.
+
+    Raises:
+        ApiError: 504 `request_timeout` when the deadline passes before `stream` ends.
+    """
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                # cancelling the pending step closes the stream's engine requests
+                item = await asyncio.wait_for(stream.__anext__(), remaining)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                if counters is not None:
+                    counters.count_timeout()
+                raise ApiError(504, f"the request did not finish within the server's request "
+                                    f"timeout of {timeout_s:g} s (flare serve --request-timeout)"
+                                    "; its generation was stopped.",
+                               type="server_error", code="request_timeout") from None
+            yield item
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def keys_match(given: str, expected: str) -> bool:
@@ -52,23 +161,26 @@ class RequestGuard:
         protect_metrics: require the key on /metrics and /debug/state too.
         queue_length: returns how many requests wait for the engine now.
         max_queue: most waiting requests before new POSTs get 429.
+        counters: counts every response by status, refusals included (None: not counted).
     """
 
     def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int,
                  protect_metrics: bool, queue_length: Callable[[], int],
-                 max_queue: int) -> None:
+                 max_queue: int, counters: ServerCounters | None = None) -> None:
         self.app = app
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.protect_metrics = protect_metrics
         self.queue_length = queue_length
         self.max_queue = max_queue
+        self.counters = counters
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        send = self._counting(send)
         if self.api_key and self._needs_key(path) and not self._authorized(scope):
             await _refuse(send, 401, "Incorrect or missing API key: send "
                           "'Authorization: Bearer <key>'.", "invalid_api_key")
@@ -112,6 +224,18 @@ class RequestGuard:
             if not started:
                 await _refuse(send, 500, "internal server error", "internal_error",
                               kind="server_error")
+
+    def _counting(self, send: Send) -> Send:
+        counters = self.counters
+        if counters is None:
+            return send
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                counters.count_response(message["status"])
+            await send(message)
+
+        return counting_send
 
     def _needs_key(self, path: str) -> bool:
         if path in _OPEN_PATHS:

@@ -4,15 +4,23 @@ Requests are validated here (types, ranges, parameters Flare does not support); 
 fails becomes an HTTP 400 with OpenAI's error body `{"error": {message, type, param, code}}`
 naming the parameter. Unknown extra fields are ignored, as agent clients send many.
 
-Extensions over OpenAI: `top_k` (0 or -1 disables) and `ignore_eos` in requests; the
-`flare` object in responses (docs/api-extensions.md). Limits that depend on the served
-package or settings (n, context length, model name) are checked by the app.
+Types are strict, as OpenAI's API is: a value of the wrong JSON type (`"max_tokens": "5"`,
+`"temperature": "hot"`, `"stream": "yes"`, `"n": 2.0`) is a 400, never coerced. The one
+conversion kept is an integer where a number is expected (`"temperature": 1`). Numbers must
+be finite (the JSON parser would accept NaN and Infinity).
+
+Extensions over OpenAI: `top_k` (0 or -1 disables), `ignore_eos` and `repetition_penalty`
+(vLLM's) in requests; the `flare` object in responses (docs/api-extensions.md). Limits that
+depend on the served package or settings (n, context length, model name) are checked by the
+app. Logprobs and penalties: docs/api-extensions.md.
 
 Tool calling (docs/agents.md): `tools` (functions only), `tool_choice` ("none", "auto",
 "required" or `{"type": "function", "function": {"name": ...}}`), `parallel_tool_calls`,
 assistant messages with `tool_calls` (content may be null) and `tool` messages with
-`tool_call_id`. `response_format`: text, json_object, json_schema. The deprecated
-`functions` / `function_call` are refused with a 400 that says to use `tools`.
+`tool_call_id`, which must name a call of an earlier assistant message (else 400 on
+`messages[i].tool_call_id`, as OpenAI answers). `response_format`: text, json_object,
+json_schema. The deprecated `functions` / `function_call` are refused with a 400 that says
+to use `tools`.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pydantic import (
 )
 
 from flare.runtime.request import SamplingParams
+from flare.state.sessions import SESSION_NAME
 
 MAX_STOP_SEQUENCES = 4
 
@@ -83,6 +92,18 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class ParamError(ValueError):
+    """A validator's error about a parameter other than the field it validates.
+
+    Raised inside a pydantic validator; `validation_error` reports `param` (relative to the
+    request body, e.g. "messages[3].tool_call_id") instead of the validated field.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _format_loc(loc: Sequence[Any]) -> str | None:
     """("body", "messages", 0, "content", "str") -> "messages[0].content"."""
     out = ""
@@ -104,7 +125,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     """Turn pydantic/FastAPI validation errors into one 400 `ApiError` naming the parameter.
 
     The first failing parameter is reported; when it failed every branch of a union, the
-    branches' messages are joined with " or ".
+    branches' messages are joined with " or ". A value of the wrong JSON type is "Invalid
+    type for '<param>'", as OpenAI words it; a `ParamError` names its own parameter.
     """
     if not errors:
         return ApiError(400, "Invalid request.")
@@ -113,6 +135,9 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         detail = first.get("ctx", {}).get("error", first.get("msg", ""))
         return ApiError(400, f"Invalid JSON body: {detail}", code="invalid_json")
     param = _format_loc(first.get("loc", ()))
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):
+        return ApiError(400, f"Invalid value for '{cause.param}': {cause}", param=cause.param)
     msgs: list[str] = []
     for err in errors:
         if _format_loc(err.get("loc", ())) != param:
@@ -125,6 +150,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
         return ApiError(400, f"Invalid request body: {message}")
     if first.get("type") == "missing":
         return ApiError(400, f"Missing required parameter: '{param}'.", param=param)
+    if str(first.get("type", "")).endswith("_type"):  # int_type, bool_type, string_type...
+        return ApiError(400, f"Invalid type for '{param}': {message}", param=param)
     return ApiError(400, f"Invalid value for '{param}': {message}", param=param)
 
 
@@ -132,7 +159,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: no coercion of "5" to 5 or "yes" to True (module docstring)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class TextContentPart(BaseModel):
@@ -318,18 +346,28 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)
     n: int = Field(1, ge=1)
     # int64, as OpenAI documents it; choice i uses seed + i, which torch still accepts
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    session: str | None = None  # extension: a session name (docs/api-extensions.md)
+
+    @field_validator("session")
+    @classmethod
+    def _session_name(cls, v: str | None) -> str | None:
+        if v is not None and not SESSION_NAME.fullmatch(v):
+            raise ValueError(f"session name {v!r} is not valid: use 1-128 letters, digits, "
+                             f"'.', '_' or '-', starting with a letter or digit")
+        return v
 
     @field_validator("stream_options")
     @classmethod
@@ -343,13 +381,6 @@ class _SamplingRequest(_Request):
     def _at_most_four_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(v)}")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty_unsupported(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported; only 0 is accepted")
         return v
 
     @field_validator("logit_bias")
@@ -375,6 +406,12 @@ class _SamplingRequest(_Request):
         """Completion tokens the client asked for, None when it did not say."""
         return self.max_tokens
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine reports (`SamplingParams.logprobs`); None:
+        no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int, choice_index: int = 0) -> SamplingParams:
         """Engine sampling parameters for one choice.
 
@@ -392,6 +429,10 @@ class _SamplingRequest(_Request):
             seed=None if self.seed is None else self.seed + choice_index,
             stop=self.stop_list,
             ignore_eos=self.ignore_eos,
+            logprobs=self.num_logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
 
 
@@ -399,14 +440,15 @@ class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions body.
 
     `max_completion_tokens` is the newer name of `max_tokens`; if both are given they must
-    agree. `tool_choice` defaults to "auto" with tools and "none" without; "required" or a
-    named function needs tools (and the name among them).
+    agree. `top_logprobs` (0-20) needs `logprobs: true`. `tool_choice` defaults to "auto"
+    with tools and "none" without; "required" or a named function needs tools (and the name
+    among them).
     """
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -422,18 +464,25 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"conflicts with max_tokens ({other} != {v}); give only one")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("messages")
     @classmethod
-    def _logprobs_unsupported(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported yet")
+    def _tool_results_answer_calls(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        calls: set[str] = set()
+        for i, m in enumerate(v):
+            calls.update(c.id for c in m.tool_calls or ())
+            if m.role == "tool" and m.tool_call_id not in calls:
+                raise ParamError(
+                    f"messages[{i}].tool_call_id",
+                    f"message {i} (role 'tool') answers tool_call_id {m.tool_call_id!r}, "
+                    "which no earlier assistant message's tool_calls has; a 'tool' message "
+                    "must answer a preceding tool call")
         return v
 
     @field_validator("top_logprobs")
     @classmethod
-    def _top_logprobs_unsupported(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported yet")
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
         return v
 
     @field_validator("tools")
@@ -472,6 +521,10 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
     def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
         """How tools are used: "none" (not rendered, not parsed), "auto" (the model
         chooses), "required" / "named" (a call is forced by a grammar)."""
@@ -491,15 +544,15 @@ class CompletionRequest(_SamplingRequest):
     """POST /v1/completions body.
 
     `prompt` is a string or a list of token ids; a list holding exactly one of those is
-    unwrapped. Several prompts per request (batch), `suffix`, `echo`, `best_of` > n and
-    `logprobs` are refused.
+    unwrapped. Several prompts per request (batch), `suffix`, `echo` and `best_of` > n are
+    refused. `logprobs` (0-5): each token's logprob and that many alternatives.
     """
 
     prompt: str | list[int]
     suffix: str | None = None
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -533,12 +586,9 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of different from n is not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_unsupported(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported yet")
-        return v
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 # --------------------------------------------------------------------------- responses
@@ -588,11 +638,42 @@ class AssistantMessage(BaseModel):
         return out
 
 
+class TopLogprob(BaseModel):
+    """One alternative token: its text, natural-log probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """A sampled token, with the most likely alternatives at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """`choices[].logprobs` of a chat completion (and of each stream chunk)."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """`choices[].logprobs` of a text completion (legacy OpenAI shape): parallel lists;
+    `text_offset[i]` is the character offset of token i in the completion text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: ApiFinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -610,7 +691,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: ApiFinishReason
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

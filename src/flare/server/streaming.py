@@ -12,6 +12,12 @@ events become `delta.content`, each complete call two deltas in `delta.tool_call
 `{index, id, type, function: {name, arguments: ""}}`, then `{index, function: {arguments}}`.
 A choice that emitted calls and stopped finishes with `tool_calls`.
 
+Logprobs (when asked): the `TokenLogprob`s of a choice wait until that choice's next chunk
+(text, tool call or finish) and ride on it as `choices[].logprobs`, so a token's logprob
+travels with its text even when stop-string matching held the text back; concatenating a
+choice's chunk logprobs gives the non-streamed `logprobs`. Text completions continue
+`text_offset` across chunks.
+
 The last chunk before `[DONE]` (the usage chunk when asked for, else the finish chunk of the
 last choice to finish) carries the `flare` extension object (docs/api-extensions.md).
 """
@@ -25,7 +31,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from flare.runtime.request import RequestOutput
+from flare.runtime.request import RequestOutput, TokenLogprob
+from flare.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from flare.server.protocol import ApiError, Usage, error_body
 from flare.server.tool_calls import ContentEvent, Event, ToolCallParser
 
@@ -103,6 +110,7 @@ class ChoiceResult:
     num_completion_tokens: int = 0
     num_cached_tokens: int = 0
     final: RequestOutput | None = None  # the finished output (timings, reuse)
+    logprobs: list[TokenLogprob] | None = None  # None: not asked for
 
     @property
     def text(self) -> str:
@@ -128,6 +136,10 @@ class Tally:
         c = self.choices[index]
         if out.text:
             c.text_parts.append(out.text)
+        if out.logprobs is not None:
+            if c.logprobs is None:
+                c.logprobs = []
+            c.logprobs.extend(out.logprobs)
         c.num_prompt_tokens = out.num_prompt_tokens
         c.num_completion_tokens = out.num_completion_tokens
         c.num_cached_tokens = out.num_cached_tokens
@@ -195,6 +207,8 @@ class ChunkBuilder:
         created: Unix time (s) the request was received.
         system_fingerprint: the package id, so clients can tell served packages apart.
         include_usage: add `"usage": null` to every chunk (a usage chunk ends the stream).
+        tokenizer: the served tokenizer, to write logprobs' token texts (needed only when
+            the engine outputs carry logprobs).
     """
 
     def __init__(
@@ -205,9 +219,12 @@ class ChunkBuilder:
         created: int,
         system_fingerprint: str | None,
         include_usage: bool,
+        tokenizer: Any = None,
     ) -> None:
         self.kind = kind
         self.include_usage = include_usage
+        self._tokenizer = tokenizer
+        self._offsets: dict[int, TextOffsets] = {}  # completion: per choice
         self._head = {
             "id": response_id,
             "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -272,6 +289,16 @@ class ChunkBuilder:
             chunks.append(self.text(index, text))
         return chunks
 
+    def add_logprobs(self, chunk: dict[str, Any], entries: Sequence[TokenLogprob]) -> None:
+        """Put `entries` (tokens of the chunk's one choice) on `chunk` as its `logprobs`."""
+        choice = chunk["choices"][0]
+        if self.kind == "chat":
+            lp = chat_logprobs(entries, self._tokenizer)
+        else:
+            offsets = self._offsets.setdefault(choice["index"], TextOffsets())
+            lp = completion_logprobs(entries, self._tokenizer, offsets)
+        choice["logprobs"] = lp.model_dump() if lp is not None else None
+
     def finish(self, index: int, finish_reason: str,
                flare: dict[str, Any] | None = None) -> dict[str, Any]:
         """The last chunk of choice `index`: no new text, its finish reason."""
@@ -303,6 +330,7 @@ async def sse_stream(
     """
     tally = Tally(n)
     parsers = parsers or [None] * n
+    pending: list[list[TokenLogprob]] = [[] for _ in range(n)]  # logprobs awaiting a chunk
     try:
         for i in range(n):
             opening = builder.opening(i)
@@ -310,22 +338,28 @@ async def sse_stream(
                 yield sse_event(opening)
         async for index, out in outputs:
             tally.add(index, out)
+            pending[index].extend(out.logprobs or ())
             parser = parsers[index]
+            chunks: list[dict[str, Any]] = []
             if parser is None:
                 if out.text:
-                    yield sse_event(builder.text(index, out.text))
+                    chunks.append(builder.text(index, out.text))
             else:
                 events = parser.push(out.text) if out.text else []
                 if out.finished:
                     events += parser.finish()
-                for chunk in builder.events(index, events):
-                    yield sse_event(chunk)
+                chunks += builder.events(index, events)
             if out.finished:
                 reason = api_finish_reason(out.finish_reason,
                                            parser is not None and parser.num_calls > 0)
                 last = tally.done and not builder.include_usage
-                yield sse_event(builder.finish(index, reason,
-                                               flare_extension(tally) if last else None))
+                chunks.append(builder.finish(index, reason,
+                                             flare_extension(tally) if last else None))
+            if chunks and pending[index]:
+                builder.add_logprobs(chunks[0], pending[index])
+                pending[index] = []
+            for chunk in chunks:
+                yield sse_event(chunk)
         if builder.include_usage:
             yield sse_event(builder.usage(tally.usage(), flare_extension(tally)))
     except ApiError as e:

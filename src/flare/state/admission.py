@@ -26,13 +26,15 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flare.state.checkpoints import Checkpoint, CheckpointIndex
     from flare.state.pools import KVCache
     from flare.state.prefix_index import PrefixIndex
     from flare.state.slots import StateSlotPool
+    from flare.state.tiers import TierStore
+    from flare.state.transfer import Ticket
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,11 @@ class Outcome(str, enum.Enum):
     ADMITTED = "Admitted"
 
 
+# Transfer speeds assumed when prepare measured none (bytes/s): a host memcpy and a local
+# SSD read; `flare prepare` measures both on the target machine (manifest tuning).
+DEFAULT_BYTES_PER_S = {"device": float("inf"), "host": 4e9, "disk": 4e8}
+
+
 @dataclass(frozen=True)
 class CostPolicy:
     """Admit a restore when its estimated transfer time is below `factor` x the estimated
@@ -53,12 +60,13 @@ class CostPolicy:
     Attributes:
         factor: the ratio threshold (default 0.5).
         prefill_tokens_per_s: estimated prefill speed, tokens/s.
-        bytes_per_s: estimated transfer speed per tier, bytes/s ("device" is free).
+        bytes_per_s: estimated transfer speed into the device per tier, bytes/s
+            ("device" is free); a tier not named is never admitted.
     """
 
     factor: float = 0.5
     prefill_tokens_per_s: float = 400.0
-    bytes_per_s: dict[str, float] = field(default_factory=lambda: {"device": float("inf")})
+    bytes_per_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BYTES_PER_S))
 
     def admit(self, num_tokens: int, num_bytes: int, tier: str = "device") -> bool:
         speed = self.bytes_per_s.get(tier)
@@ -129,6 +137,9 @@ class Reuse:
         keys: chained keys of the adopted full pages.
         num_tokens: positions whose K/V is already in `pages` (0 unless Admitted).
         matched_tokens: positions the lookup matched (even when not admitted).
+        wait: a transfer ticket (`flare.state.transfer.Ticket`) bringing records from
+            disk: the lookup is not decided yet (nothing is counted or adopted); the
+            request waits for the ticket and looks up again with it.
     """
 
     outcome: Outcome
@@ -136,6 +147,7 @@ class Reuse:
     keys: tuple[bytes, ...] = ()
     num_tokens: int = 0
     matched_tokens: int = 0
+    wait: Any = None
 
 
 class DeviceReuse:
@@ -148,26 +160,62 @@ class DeviceReuse:
         counters: where outcomes are counted.
         checkpoints: for hybrid recipes, the checkpoint index: a prefix is then usable
             only up to a checkpoint (KV pages alone are not a state); None for KV-only.
+        tiers: the host/disk tiers (`flare.state.tiers.TierStore`): before each device
+            lookup, what they hold past the device prefix is promoted when worth it.
     """
 
     def __init__(self, index: "PrefixIndex", kv: "KVCache", policy: CostPolicy,
-                 counters: ReuseCounters, checkpoints: "CheckpointIndex | None" = None) -> None:
+                 counters: ReuseCounters, checkpoints: "CheckpointIndex | None" = None,
+                 tiers: "TierStore | None" = None) -> None:
         self.index, self.kv, self.policy, self.counters = index, kv, policy, counters
         self.checkpoints = checkpoints
+        self.tiers = tiers
+        self._fallback: tuple[Outcome, int] | None = None
 
     def checkpoint_usable(self, ckpt: "Checkpoint") -> bool:
         """Whether every KV page of a checkpoint's prefix is still listed."""
         return self.index.covers(ckpt.parent, ckpt.tail)
 
-    def acquire(self, tokens: list[int], state_slot: int = -1) -> Reuse:
+    def acquire(self, tokens: list[int], state_slot: int = -1, waiter: str = "",
+                ticket: "Ticket | None" = None) -> Reuse:
         """Find the longest cached prefix of `tokens` (at most len - 1 positions, so one
         token is computed for logits), decide its outcome, and adopt it when admitted.
+        With tiers, what the host and disk tiers hold past the device prefix is promoted
+        first; a tier restore that is rejected (cost, capacity, queue) while the device
+        holds nothing is the lookup's outcome.
 
         Args:
             tokens: the request's token ids.
             state_slot: hybrid recipes: the sequence's own, freshly zeroed state slot, into
                 which an admitted checkpoint is copied.
+            waiter: the request id (held on a disk read ticket).
+            ticket: the completed read ticket this request waited for.
+
+        Returns:
+            Reuse; with `wait` set, nothing was decided: wait for that ticket, then call
+            again passing it.
         """
+        if self.tiers is None:
+            return self._acquire_device(tokens, state_slot)
+        promo = self.tiers.promote(tokens, len(tokens) - 1, waiter, ticket)
+        if promo.wait is not None:
+            return Reuse(Outcome.NO_MATCH, wait=promo.wait)
+        if promo.outcome is not None:
+            self._fallback = (promo.outcome, promo.matched_tokens)
+        try:
+            return self._acquire_device(tokens, state_slot)
+        finally:
+            self._fallback = None
+            self.index.pool.release(list(promo.held))
+
+    def _record(self, outcome: Outcome, queried: int, matched: int) -> Outcome:
+        """Count the lookup's one outcome: a rejected tier restore replaces NoMatch."""
+        if outcome is Outcome.NO_MATCH and self._fallback is not None:
+            outcome, matched = self._fallback
+        self.counters.record(outcome, queried, matched)
+        return outcome
+
+    def _acquire_device(self, tokens: list[int], state_slot: int) -> Reuse:
         if self.checkpoints is not None:
             return self._acquire_endpoint(tokens, state_slot)
         match = self.index.match(tokens, limit=len(tokens) - 1)
@@ -194,12 +242,12 @@ class DeviceReuse:
             pool.release([match.partial])
         if outcome is not Outcome.ADMITTED:
             pool.release(list(match.pages))
-            self.counters.record(outcome, len(tokens), n)
+            outcome = self._record(outcome, len(tokens), n)
             return Reuse(outcome, matched_tokens=n)
         pages = list(match.pages) + ([copy] if copy is not None else [])
         # without a page for the copy, only the whole pages are reused
         used = n if copy is not None or match.partial is None else len(match.pages) * self.index.page_size
-        self.counters.record(outcome, len(tokens), used)
+        self._record(outcome, len(tokens), used)
         return Reuse(outcome, tuple(pages), match.keys, used, n)
 
     def _acquire_endpoint(self, tokens: list[int], dst: int) -> Reuse:
@@ -251,7 +299,7 @@ class DeviceReuse:
         if not restored and copy is not None:
             pool.release([copy])
             copy = None
-        self.counters.record(outcome, len(tokens), p)
+        outcome = self._record(outcome, len(tokens), p)
         if not restored:
             return Reuse(outcome, matched_tokens=p)
         pages = adopted + ([copy] if copy is not None else [])

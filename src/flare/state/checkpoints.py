@@ -24,11 +24,18 @@ At most `capacity` checkpoints exist at once, so live sequences always find a sl
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flare.state.pools import PoolExhausted
 from flare.state.slots import StateSlotPool
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -78,6 +85,9 @@ class CheckpointIndex:
         self._clock = itertools.count(1)
         self._count = 0  # kept apart so stats() from another thread never iterates the map
         self.stats = CheckpointStats()
+        # called with each checkpoint `evict` retires, while its slot is still intact (the
+        # host tier keeps a copy: flare.state.tiers)
+        self.on_evict: Callable[[Checkpoint], None] | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -119,8 +129,35 @@ class CheckpointIndex:
             self.states.release(slot)
             self.stats.failed += 1
             raise
-        ckpt = Checkpoint(slot, parent, tail, position, next(self._clock))
-        self._by_parent.setdefault(parent, {})[tail] = ckpt
+        return self._list(Checkpoint(slot, parent, tail, position, next(self._clock)))
+
+    def publish_state(self, parent: bytes, tail: tuple[int, ...], position: int,
+                      tensors: dict[str, "torch.Tensor"]) -> Checkpoint | None:
+        """List a checkpoint restored from a lower tier: `tensors` (as `StateSlotPool.read`
+        gives them) are written into a fresh checkpoint slot. Returns None when nothing
+        was listed (an equal checkpoint exists: it is touched and returned instead; no
+        capacity). Raises ValueError (from `StateSlotPool.write`) when `tensors` do not
+        match the layout; the slot is then back in the pool and nothing is listed."""
+        bucket = self._by_parent.get(parent)
+        if bucket is not None and tail in bucket:
+            bucket[tail].last_used = next(self._clock)
+            return bucket[tail]
+        if self.capacity < 1 or (len(self) >= self.capacity and self.evict(1) == 0):
+            return None
+        try:
+            slot = self.states.allocate()
+        except PoolExhausted:
+            return None
+        try:
+            self.states.write(slot, tensors)
+        except Exception:
+            self.states.release(slot)
+            self.stats.failed += 1
+            raise
+        return self._list(Checkpoint(slot, parent, tail, position, next(self._clock)))
+
+    def _list(self, ckpt: Checkpoint) -> Checkpoint:
+        self._by_parent.setdefault(ckpt.parent, {})[ckpt.tail] = ckpt
         self._count += 1
         self.stats.published += 1
         return ckpt
@@ -172,6 +209,11 @@ class CheckpointIndex:
         victims = [c for c in self.entries() if c.pins == 0]
         victims.sort(key=lambda c: (usable(c) if usable is not None else True, c.last_used))
         for ckpt in victims[:n]:
+            if self.on_evict is not None:
+                try:
+                    self.on_evict(ckpt)
+                except Exception:  # a lost copy costs a recompute later, never the eviction
+                    log.exception("demotion of a retired checkpoint failed")
             self._remove(ckpt)
         self.stats.evicted += min(n, len(victims))
         return min(n, len(victims))

@@ -112,12 +112,14 @@ class KVCache:
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with page table `pages`.
 
-        Returns an int64 tensor of shape [end - start].
+        Returns an int64 tensor of shape [end - start] (contiguous).
         """
         ps = self.page_size
-        pos = torch.arange(start, end)
-        table = torch.tensor(pages, dtype=torch.int64)
-        return table[pos // ps] * ps + pos % ps
+        first = start // ps
+        # whole pages of slots, then the [start, end) window: O(pages) work, few ops
+        table = torch.tensor(pages[first:-(-end // ps)], dtype=torch.int64)
+        full = (table[:, None] * ps + torch.arange(ps, dtype=torch.int64)).view(-1)
+        return full[start - first * ps:end - first * ps]
 
     def copy_page_prefix(self, src: int, dst: int, num_tokens: int) -> None:
         """Copy K/V of the first `num_tokens` positions of page `src` into page `dst`, in

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flare.state.pools import PagePool
+
+log = logging.getLogger(__name__)
 
 
 def page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -95,6 +99,9 @@ class PrefixIndex:
         self._clock = itertools.count(1)
         self._num_pages = 0
         self.stats = PrefixIndexStats()
+        # called with each node `evict` is about to drop, while its page is still intact
+        # (the host tier keeps a copy: flare.state.tiers)
+        self.on_evict: Callable[[PageNode], None] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -146,6 +153,16 @@ class PrefixIndex:
             return True
         n = len(tail)
         return any(node.tokens[:n] == tail for node in self._children.get(parent, ()))
+
+    def node(self, key: bytes) -> PageNode | None:
+        """The listed full page under chained key `key`, or None."""
+        return self._full.get(key)
+
+    def tail_node(self, parent: bytes, tokens: tuple[int, ...]) -> PageNode | None:
+        """A listed partly filled page under `parent` whose first tokens are `tokens`."""
+        n = len(tokens)
+        return next((node for node in self._children.get(parent, ())
+                     if node.key is None and node.tokens[:n] == tokens), None)
 
     # ---- publish ------------------------------------------------------------------------
 
@@ -208,10 +225,18 @@ class PrefixIndex:
                 break
             victims.sort(key=lambda n: n.last_used)
             for node in victims[:num_pages - freed]:
+                if self.on_evict is not None:
+                    self._demote(node)
                 self._remove(node)
                 freed += 1
         self.stats.evicted_pages += freed
         return freed
+
+    def _demote(self, node: PageNode) -> None:
+        try:
+            self.on_evict(node)
+        except Exception:  # a lost copy costs a recompute later, never the eviction
+            log.exception("demotion of an evicted page failed")
 
     def _remove(self, node: PageNode) -> None:
         self._num_pages -= 1

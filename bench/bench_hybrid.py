@@ -1,0 +1,190 @@
+"""Engine figures for the hybrid recipes (Qwen3.5 Gated DeltaNet, LFM2 short conv), one table.
+
+Builds the tiny random checkpoints the tests use (tests/unit/hybrid_models.py: 5 layers,
+hidden 64, KV layers at 1 and 4, the embedded model's 49,152-token tokenizer), saves them
+with transformers' `save_pretrained`, prepares them with `prepare_package` and loads them
+through flare's loader. For each recipe, on one engine:
+- prefill tok/s of a 512-token prompt (time to the first token, `max_tokens=1`);
+- decode tok/s at batch 1 and aggregate decode tok/s at batch 8 (greedy, EOS ignored);
+- TTFT of turn 10 of a 10-turn conversation with reuse on vs off: each turn's prompt is the
+  previous prompt, its completion and a new user message (token level, as the server keeps
+  them); an engine with `prefix_cache=True` and one with `prefix_cache=False` run the same
+  turns; the figure is the median over `--repeats` conversations with distinct prefixes.
+Figures, not pass/fail: compare columns of one run, never numbers from another machine.
+Runs in about 75 s on one CPU thread (a fifth of it loading the tokenizer from the GGUF).
+
+    .venv/bin/python bench/bench_hybrid.py [--recipes qwen3_5,lfm2] [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flare.prepare.package import load_package, prepare_package
+from flare.runtime.engine import Engine
+from flare.runtime.request import GenerationRequest, SamplingParams
+
+# the tests' builders, so the bench measures exactly the configs the tests check
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "unit"))
+from hybrid_models import BUILDERS  # noqa: E402
+
+PLAN = dict(max_seq_len=2048, max_num_seqs=8, page_size=16, max_batch_tokens=512)
+SYSTEM_TOKENS = 256  # shared prefix of a conversation (a system prompt and tools)
+USER_TOKENS = 48  # each turn's new user message
+REPLY_TOKENS = 16  # each turn's completion
+TURNS = 10
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """`n` random token ids (distinct prompts: no accidental prefix reuse)."""
+    return [rng.randrange(1000, vocab) for _ in range(n)]
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def _run(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, dict]:
+    """Run `reqs` to completion; per request: first-token and done times (perf_counter ns)
+    and the completion's token ids. Returns with the run's start time under key ""."""
+    out: dict[str, dict] = {r.request_id: {"tokens": []} for r in reqs}
+
+    def on_output(o):
+        rec = out[o.request_id]
+        if o.token_ids and "first" not in rec:
+            rec["first"] = time.perf_counter_ns()
+        rec["tokens"] += list(o.token_ids)
+        if o.finished:
+            rec["done"] = time.perf_counter_ns()
+
+    engine.on_output = on_output
+    t0 = time.perf_counter_ns()
+    engine.run_until_idle(reqs)
+    out[""] = {"t0": t0}
+    return out
+
+
+def prefill_tok_s(engine: Engine, prompt: list[int]) -> float:
+    """Prompt tokens per second to the first token (`max_tokens=1`)."""
+    r = _run(engine, [GenerationRequest("p", prompt, _greedy(1))])
+    return len(prompt) / ((r["p"]["first"] - r[""]["t0"]) / 1e9)
+
+
+def decode_tok_s(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    """Aggregate completion tokens per second after every sequence has its first token."""
+    reqs = [GenerationRequest(f"d{i}", p, _greedy(n)) for i, p in enumerate(prompts)]
+    r = _run(engine, reqs)
+    start = max(r[q.request_id]["first"] for q in reqs)
+    end = max(r[q.request_id]["done"] for q in reqs)
+    return len(reqs) * (n - 1) / ((end - start) / 1e9)
+
+
+def conversation_ttft(on: Engine, off: Engine, rng: random.Random, vocab: int,
+                      tag: str) -> tuple[float, float, int, int]:
+    """Run one `TURNS`-turn conversation on both engines (the same prompts: each turn's is
+    the previous prompt, the reuse engine's completion and new user tokens).
+
+    Returns:
+        (TTFT ms of the last turn with reuse, without reuse, its prompt tokens, prompt
+        tokens whose prefill the reuse engine skipped on it: `reused_tokens` counter delta).
+    """
+    history = _ids(rng, SYSTEM_TOKENS, vocab)
+    ttft: dict[str, float] = {}
+    for turn in range(TURNS):
+        prompt = history + _ids(rng, USER_TOKENS, vocab)
+        reused_before = on.reuse_counters.reused_tokens
+        reply: list[int] = []
+        for name, engine in (("on", on), ("off", off)):
+            rid = f"{tag}-t{turn}"
+            r = _run(engine, [GenerationRequest(rid, prompt, _greedy(REPLY_TOKENS))])
+            ttft[name] = (r[rid]["first"] - r[""]["t0"]) / 1e6
+            if name == "on":
+                reply = r[rid]["tokens"]
+        reused = on.reuse_counters.reused_tokens - reused_before
+        history = prompt + reply
+    return ttft["on"], ttft["off"], len(prompt), reused
+
+
+def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int) -> dict:
+    folder = root / f"tiny-{recipe}"
+    BUILDERS[recipe](folder, tokenizer)
+    out = root / f"pkg-{recipe}"
+    prepare_package(folder, out, progress=False, **PLAN)
+    pkg = load_package(out)
+    vocab = pkg.config.vocab_size
+    rng = random.Random(f"bench-hybrid-{recipe}")
+    on = Engine.from_package(pkg, prefix_cache=True)
+    off = Engine.from_package(pkg, prefix_cache=False)
+    decode_tok_s(on, [_ids(rng, 32, vocab)], 8)  # warm-up
+    decode_tok_s(off, [_ids(rng, 32, vocab)], 8)
+    prefill = statistics.median(prefill_tok_s(on, _ids(rng, 512, vocab)) for _ in range(3))
+    dec1 = decode_tok_s(on, [_ids(rng, 32, vocab)], 128)
+    dec8 = decode_tok_s(on, [_ids(rng, 32, vocab) for _ in range(8)], 128)
+    runs = [conversation_ttft(on, off, rng, vocab, f"c{i}") for i in range(repeats)]
+    mem = pkg.manifest.memory
+    return {
+        "recipe": recipe, "prefill": prefill, "dec1": dec1, "dec8": dec8,
+        "ttft_on": statistics.median(r[0] for r in runs),
+        "ttft_off": statistics.median(r[1] for r in runs),
+        "turn10_prompt": runs[0][2],
+        "turn10_reused": statistics.median(r[3] for r in runs),
+        "state": (mem["state_slots"], mem["state_bytes_per_slot"], mem["state_pool_bytes"],
+                  mem["kv_pool_bytes"], pkg.plan.checkpoint_interval),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipes", default="qwen3_5,lfm2",
+                    help="comma-separated recipes (default qwen3_5,lfm2)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="conversations per recipe for the turn-10 TTFT median (default 3)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: ops of these tiny models are too small "
+                         "to share, and on a busy machine waiting threads lose the CPU; 0 = "
+                         "torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from flare.loading.embedded import embedded_model_path
+    from flare.loading.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    t_start = time.perf_counter()
+    gguf = embedded_model_path()
+    tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name, chat_template="{{ '' }}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="flare-bench-hybrid-") as tmp:
+        for recipe in args.recipes.split(","):
+            rows.append(bench_recipe(recipe.strip(), Path(tmp), tokenizer, args.repeats))
+    print(f"tiny random hybrids (tests/unit/hybrid_models.py), fp32, cpu, threads "
+          f"{torch.get_num_threads()}, torch {torch.__version__}; plan {PLAN}")
+    print(f"conversation: {SYSTEM_TOKENS}-token prefix, +{USER_TOKENS} user and "
+          f"{REPLY_TOKENS} reply tokens a turn; turn 10 prompt {rows[0]['turn10_prompt']} "
+          f"tokens; median of {args.repeats} conversations")
+    head = (f"{'recipe':8} {'prefill 512 tok/s':>17} {'decode b1 tok/s':>15} "
+            f"{'decode b8 tok/s':>15} {'turn-10 TTFT on ms':>18} {'off ms':>8} {'off/on':>7} "
+            f"{'reused tok':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['recipe']:8} {r['prefill']:17.0f} {r['dec1']:15.1f} {r['dec8']:15.1f} "
+              f"{r['ttft_on']:18.1f} {r['ttft_off']:8.1f} {r['ttft_off'] / r['ttft_on']:7.2f} "
+              f"{r['turn10_reused']:>10.0f}")
+    for r in rows:
+        slots, per_slot, pool, kv, every = r["state"]
+        print(f"{r['recipe']}: state pool {slots} slots x {per_slot:,} B = {pool:,} B "
+              f"(KV pool {kv:,} B); checkpoint every {every} prefill tokens")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

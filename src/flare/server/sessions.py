@@ -1,0 +1,105 @@
+"""HTTP routes of named sessions (`flare.state.sessions`; docs/api-extensions.md).
+
+    GET    /v1/sessions/{name}        the session: tokens held, tokens saved to disk
+    DELETE /v1/sessions/{name}        forget the name (its cached state ages out as usual)
+    POST   /v1/sessions/{name}/fork   {"id": NEW}: NEW starts from the same state
+    POST   /v1/sessions/{name}/save   write the state to the disk tier (survives a restart)
+
+Errors are OpenAI-style bodies: 400 for a bad name or body, 404 for an unknown session,
+409 when a fork target exists, 503 when the server has no disk tier or the write failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from flare.server.protocol import ApiError
+from flare.state.sessions import SessionError
+
+SAVE_TIMEOUT_S = 120.0
+
+
+def _session_error(exc: SessionError) -> ApiError:
+    if exc.missing:
+        return ApiError(404, str(exc), param="session", code="session_not_found")
+    if "already exists" in str(exc):
+        return ApiError(409, str(exc), param="id", code="session_exists")
+    return ApiError(400, str(exc), param="session", code="invalid_session_name")
+
+
+def _body(name: str, tokens: int, saved: int, **extra: Any) -> dict[str, Any]:
+    return {"id": name, "object": "session", "tokens": tokens, "saved_tokens": saved, **extra}
+
+
+def sessions_router(engine: Any) -> APIRouter:
+    """Routes over an `AsyncEngine`'s session registry (`engine.engine.sessions`)."""
+    router = APIRouter()
+
+    def engine_core() -> Any:
+        """The engine holding the registry (looked up per request: test doubles of the
+        AsyncEngine may have none, and then sessions are simply not offered)."""
+        core = getattr(engine, "engine", None)
+        if core is None or not hasattr(core, "sessions"):
+            raise ApiError(501, "this server does not keep sessions", type="server_error",
+                           code="sessions_unsupported")
+        return core
+
+    @router.get("/v1/sessions/{name}")
+    async def get_session(name: str) -> dict[str, Any]:
+        core = engine_core()
+        try:
+            s = core.sessions.get(name)
+        except SessionError as exc:
+            raise _session_error(exc) from None
+        return _body(name, len(s.tokens), s.saved_tokens)
+
+    @router.delete("/v1/sessions/{name}")
+    async def delete_session(name: str) -> dict[str, Any]:
+        core = engine_core()
+        try:
+            core.sessions.delete(name)
+        except SessionError as exc:
+            raise _session_error(exc) from None
+        return {"id": name, "object": "session.deleted", "deleted": True}
+
+    @router.post("/v1/sessions/{name}/fork")
+    async def fork_session(name: str, request: Request) -> dict[str, Any]:
+        core = engine_core()
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "body must be a JSON object like {\"id\": \"new-name\"}",
+                           param="id") from None
+        new = body.get("id") if isinstance(body, dict) else None
+        if not isinstance(new, str):
+            raise ApiError(400, "'id' (the new session's name) is required", param="id")
+        try:
+            s = core.sessions.fork(name, new)
+        except SessionError as exc:
+            raise _session_error(exc) from None
+        return _body(new, len(s.tokens), s.saved_tokens, forked_from=name)
+
+    @router.post("/v1/sessions/{name}/save")
+    async def save_session(name: str) -> dict[str, Any]:
+        core = engine_core()
+        try:
+            tokens = core.sessions.get(name).tokens
+            ticket, covered = await asyncio.wrap_future(core.call(lambda: core.save_session(name)))
+        except SessionError as exc:
+            raise _session_error(exc) from None
+        except ValueError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="no_disk_tier") from None
+        if ticket is not None:
+            done = await asyncio.to_thread(ticket.done.wait, SAVE_TIMEOUT_S)
+            if not done or ticket.error or ticket.written < len(ticket.keys):
+                raise ApiError(503, f"saving session {name!r} failed: "
+                                    f"{ticket.error or 'the disk tier refused a record'}",
+                               type="server_error", code="save_failed")
+        core.sessions.mark_saved(name, tokens, covered)
+        return _body(name, len(tokens), covered,
+                     records_written=ticket.written if ticket is not None else 0)
+
+    return router

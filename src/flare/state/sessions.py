@@ -1,0 +1,162 @@
+"""Named sessions: a client-chosen name for the latest state of one conversation.
+
+A request that names a session (`"session": "NAME"`, docs/api-extensions.md) records, when
+it finishes, the token ids whose state it computed (prompt plus completion, all but the
+last sampled token). The name then lets a client:
+
+- save that state to the disk tier (`POST /v1/sessions/NAME/save`), so it survives a
+  restart; the next request that resends the conversation restores it through the normal
+  lookup (the state is found by its tokens, never by the name);
+- fork it (`POST /v1/sessions/NAME/fork`): the new name starts from the same state, which
+  shares its pages by reference (a branch copies nothing until it writes);
+- read or forget it (`GET` / `DELETE /v1/sessions/NAME`).
+
+Names are validated (`SESSION_NAME`: letters, digits, `.`, `_`, `-`, at most 128) and are
+never used as paths: saved names are stored in one JSON file per package in the state
+folder, written atomically (temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+FORMAT_VERSION = 1
+
+
+class SessionError(ValueError):
+    """A bad session name, or a session that does not exist (`missing` is True then)."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def check_name(name: str) -> str:
+    """Return `name` if it is a valid session name.
+
+    Raises:
+        SessionError: naming the bad value and the rule.
+    """
+    if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
+        raise SessionError(f"session name {name!r} is not valid: use 1-128 letters, digits, "
+                           f"'.', '_' or '-', starting with a letter or digit")
+    return name
+
+
+@dataclass
+class Session:
+    """The latest state of a named conversation.
+
+    Attributes:
+        tokens: token ids whose state was computed (positions [0, len(tokens))).
+        saved_tokens: positions of it written to the disk tier by the last save (0: never).
+    """
+
+    tokens: list[int]
+    saved_tokens: int = 0
+
+
+class SessionRegistry:
+    """Session name -> `Session`, shared by the engine thread (which records finished
+    requests) and the HTTP handlers (thread-safe). Saved sessions persist in `folder`.
+
+    Args:
+        folder: the state folder (None: nothing persists).
+        namespace: the package id; the file of another package is never read.
+    """
+
+    def __init__(self, folder: Path | None, namespace: str) -> None:
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self.namespace = namespace
+        self.path = None
+        if folder is not None:
+            digest = namespace[:16] or "default"
+            self.path = Path(folder) / f"sessions-{digest}.json"
+            self._load()
+
+    def record(self, name: str, tokens: list[int]) -> None:
+        """The session's latest state is now `tokens` (engine thread, at a finish)."""
+        with self._lock:
+            old = self._sessions.get(name)
+            saved = old.saved_tokens if old and old.tokens[:old.saved_tokens] == tokens[
+                :old.saved_tokens] else 0
+            self._sessions[name] = Session(list(tokens), saved)
+
+    def get(self, name: str) -> Session:
+        """Raises SessionError (missing) when there is no such session."""
+        with self._lock:
+            s = self._sessions.get(check_name(name))
+            if s is None:
+                raise SessionError(f"session {name!r} does not exist", missing=True)
+            return Session(list(s.tokens), s.saved_tokens)
+
+    def fork(self, name: str, new: str) -> Session:
+        """Start session `new` from `name`'s state. Raises SessionError: a bad or missing
+        name, or `new` already exists."""
+        check_name(new)
+        src = self.get(name)
+        with self._lock:
+            if new in self._sessions:
+                raise SessionError(f"session {new!r} already exists")
+            self._sessions[new] = Session(src.tokens, src.saved_tokens)
+        self._persist()
+        return src
+
+    def delete(self, name: str) -> None:
+        """Forget a session (its state stays cached until evicted). Raises SessionError."""
+        self.get(name)
+        with self._lock:
+            self._sessions.pop(name, None)
+        self._persist()
+
+    def mark_saved(self, name: str, tokens: list[int], saved_tokens: int) -> None:
+        """Record that `saved_tokens` positions of `tokens` are on disk, and persist."""
+        with self._lock:
+            self._sessions[name] = Session(list(tokens), saved_tokens)
+        self._persist()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # ---- persistence --------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return  # no file yet, or a damaged one: start empty rather than half-read
+        if data.get("format") != FORMAT_VERSION or data.get("namespace") != self.namespace:
+            return
+        for name, s in data.get("sessions", {}).items():
+            if SESSION_NAME.fullmatch(name) and isinstance(s.get("tokens"), list):
+                self._sessions[name] = Session([int(t) for t in s["tokens"]],
+                                               int(s.get("saved_tokens", 0)))
+
+    def _persist(self) -> None:
+        """Write the saved sessions (those with saved_tokens > 0) atomically."""
+        if self.path is None:
+            return
+        with self._lock:
+            body = {"format": FORMAT_VERSION, "namespace": self.namespace,
+                    "sessions": {n: {"tokens": s.tokens, "saved_tokens": s.saved_tokens}
+                                 for n, s in self._sessions.items() if s.saved_tokens}}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".sessions-", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(body, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise

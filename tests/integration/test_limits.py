@@ -1,0 +1,229 @@
+"""Request limits over real HTTP (issue 10): messages per request, the per-request timeout,
+and prompt rendering off the event loop. Real uvicorn servers in threads of the test
+process over the real engine and the embedded model (tests/integration/server_thread.py).
+
+Two servers: `limited` (max 8 messages, a 1 s request timeout, max_seq_len 512) and
+`plain` (default settings, max_seq_len 256) for the huge-prompt test, whose small stream
+must not race a short timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from server_thread import ServerThread
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-test"
+MAX_MESSAGES = 8
+TIMEOUT_S = 1.0
+LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True}  # seconds of CPU decode
+
+
+def _server(checkpoint, max_seq_len, settings):
+    from flare.prepare.plan import make_plan
+    from flare.runtime.async_engine import AsyncEngine
+    from flare.runtime.engine import Engine
+
+    plan = make_plan(checkpoint.config, max_seq_len=max_seq_len, max_num_seqs=4)
+    engine = Engine(checkpoint.config, plan, checkpoint.tensors, checkpoint.tokenizer)
+    return ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-test"),
+                        settings)
+
+
+@pytest.fixture(scope="module")
+def limited(embedded_checkpoint):
+    from flare.server.app import ServerSettings
+
+    srv = _server(embedded_checkpoint, 512, ServerSettings(max_messages=MAX_MESSAGES,
+                                                           request_timeout_s=TIMEOUT_S))
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(embedded_checkpoint):
+    from flare.server.app import ServerSettings
+
+    srv = _server(embedded_checkpoint, 256, ServerSettings())
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        yield client
+    srv.stop()
+
+
+def _user(content: str) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def _wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict:
+    """/debug/state once no request holds a page (only the prefix cache may)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.get("/debug/state").json()
+        if (state["num_running"] == 0 and state["num_waiting"] == 0
+                and state["pages_used"] == state.get("prefix_cache_pages", 0)):
+            return state
+        assert time.monotonic() < deadline, f"engine not idle: {state}"
+        time.sleep(0.05)
+
+
+def _metrics(client: httpx.Client) -> dict[str, float]:
+    """/metrics samples by name (with labels), e.g. 'flare_http_responses_total{code="504"}'."""
+    text = client.get("/metrics").text
+    return {name: float(value) for name, value in (
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def test_more_messages_than_the_limit_is_a_400_naming_count_and_limit(limited):
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"}
+            for i in range(MAX_MESSAGES + 1)]
+    err = _error(limited.post("/v1/chat/completions", json={"model": MODEL, "messages": many}),
+                 400)
+    assert err["code"] == "array_above_max_length" and err["param"] == "messages"
+    assert f"{MAX_MESSAGES + 1} entries" in err["message"]
+    assert f"at most {MAX_MESSAGES}" in err["message"]
+    # exactly the limit passes the count check: what refuses it next is the context length
+    # (a long conversation, so no generation runs here)
+    at_limit = [dict(m, content="hello " * 300) for m in many[:MAX_MESSAGES]]
+    err = _error(limited.post("/v1/chat/completions",
+                              json={"model": MODEL, "messages": at_limit}), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+# --------------------------------------------------------------------------- request timeout
+
+
+def test_request_timeout_non_stream_is_a_504_frees_pages_and_is_counted(limited):
+    before = _wait_idle(limited)
+    counted = _metrics(limited)
+    t0 = time.monotonic()
+    r = limited.post("/v1/chat/completions",
+                     json={"model": MODEL, "messages": _user("Tell me a long story."), **LONG})
+    elapsed = time.monotonic() - t0
+    err = _error(r, 504)
+    assert err["code"] == "request_timeout" and err["type"] == "server_error"
+    assert f"{TIMEOUT_S:g} s" in err["message"]
+    assert TIMEOUT_S * 0.9 <= elapsed < 30, elapsed
+    after = _wait_idle(limited)
+    assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG[
+        "max_tokens"]
+    assert after["pages_used"] + after["pages_free"] == after["pages_total"]
+    now = _metrics(limited)
+    assert now["flare_request_timeouts_total"] == counted["flare_request_timeouts_total"] + 1
+    code = 'flare_http_responses_total{code="504"}'
+    assert now[code] == counted.get(code, 0) + 1
+
+
+def test_request_timeout_in_a_stream_is_an_error_event_then_done(limited):
+    before = _wait_idle(limited)
+    timeouts = _metrics(limited)["flare_request_timeouts_total"]
+    body = {"model": MODEL, "messages": _user("Tell me another long story."), "stream": True,
+            **LONG}
+    with limited.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200  # the stream began before the deadline
+        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    assert json.loads(events[0])["choices"][0]["delta"]["role"] == "assistant"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == "request_timeout", last
+    assert all("error" not in json.loads(e) for e in events[:-2])
+    after = _wait_idle(limited)
+    assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+    assert _metrics(limited)["flare_request_timeouts_total"] == timeouts + 1
+
+
+def test_a_short_request_within_the_timeout_is_untouched(limited):
+    r = limited.post("/v1/chat/completions", json={"model": MODEL, "messages": _user("Hi."),
+                                                   "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# --------------------------------------------------------------------------- off the loop
+
+
+HUGE_BYTES = 2 * 1024 * 1024  # ~420k tokens: seconds of rendering + tokenizing on 2 cores
+
+
+def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypatch):
+    """While a 2 MB prompt is rendered and tokenized, a small stream runs to [DONE].
+
+    The huge request's tokenization is held open (after its real work) until the small
+    stream ends, so the order is deterministic: with tokenization on the event loop the
+    small stream could not even start, and this test fails on its client timeout. Times
+    are printed for the record, not asserted.
+    """
+    import flare.server.app as app_module
+
+    real = app_module.chat_prompt_ids
+    entered, release = threading.Event(), threading.Event()
+    times: dict[str, float] = {}
+
+    def held(tokenizer, messages, *args):
+        if sum(len(m.content or "") for m in messages) < HUGE_BYTES // 2:
+            return real(tokenizer, messages, *args)
+        times["huge_entered"] = time.monotonic()
+        entered.set()
+        ids = real(tokenizer, messages, *args)
+        times["huge_tokenized"] = time.monotonic()
+        release.wait(30)
+        return ids
+
+    monkeypatch.setattr(app_module, "chat_prompt_ids", held)
+    huge = {"model": MODEL, "messages": _user("word " * (HUGE_BYTES // 5)), "max_tokens": 4}
+    small = {"model": MODEL, "messages": _user("Say hi."), "max_tokens": 8, "temperature": 0,
+             "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        pending = pool.submit(plain.post, "/v1/chat/completions", json=huge)
+        assert entered.wait(60), "the huge request never reached prompt rendering"
+        try:
+            with httpx.Client(base_url=str(plain.base_url), timeout=20) as c:
+                with c.stream("POST", "/v1/chat/completions", json=small) as r:
+                    assert r.status_code == 200
+                    events = []
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            times.setdefault("small_first_event", time.monotonic())
+                            events.append(line)
+            times["small_done"] = time.monotonic()
+            assert events[-1] == "data: [DONE]" and len(events) >= 3
+            assert not pending.done(), "the huge request answered before the small stream"
+        finally:
+            release.set()
+        r = pending.result(60)
+    times["huge_answered"] = time.monotonic()
+    # error handling is unchanged: the ~420k-token prompt is refused, naming its size
+    err = _error(r, 400)
+    assert err["code"] == "context_length_exceeded" and "256" in err["message"]
+    print({k: round(v - t0, 3) for k, v in sorted(times.items(), key=lambda kv: kv[1])})
+    _wait_idle(plain)
+
+
+def test_completion_prompt_encoding_errors_are_still_400s(plain):
+    r = plain.post("/v1/completions", content=b'{"model": "smollm2-test", "prompt": "\\ud800"}',
+                   headers={"content-type": "application/json"})
+    err = _error(r, 400)
+    assert err["param"] == "prompt"
+    r = plain.post("/v1/chat/completions", content=(
+        b'{"model": "smollm2-test", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+        headers={"content-type": "application/json"})
+    assert _error(r, 400)["param"].startswith("messages")

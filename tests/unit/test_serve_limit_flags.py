@@ -1,0 +1,37 @@
+"""`flare serve` limit flags reach `ServerSettings`, and bad values are refused (issue 10)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flare.cli import build_parser
+from flare.server.app import ServerSettings
+
+
+def test_limit_flags_parse_with_documented_defaults():
+    args = build_parser().parse_args(["serve", "--embedded"])
+    assert args.max_messages == 2048 and args.request_timeout is None
+    args = build_parser().parse_args(["serve", "--embedded", "--max-messages", "16",
+                                      "--request-timeout", "2.5"])
+    assert args.max_messages == 16 and args.request_timeout == 2.5
+    settings = ServerSettings(max_messages=args.max_messages,
+                              request_timeout_s=args.request_timeout)
+    assert settings.request_timeout_s == 2.5
+
+
+@pytest.mark.parametrize("flag,value", [("--request-timeout", "0"), ("--request-timeout", "-1"),
+                                        ("--request-timeout", "nan"), ("--request-timeout", "x"),
+                                        ("--max-messages", "0")])
+def test_bad_limit_values_exit_2_with_one_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--embedded", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err
+
+
+@pytest.mark.parametrize("kwargs", [{"max_messages": 0}, {"request_timeout_s": 0},
+                                    {"request_timeout_s": float("nan")}])
+def test_settings_refuse_nonsense_limits(kwargs):
+    with pytest.raises(ValueError):
+        ServerSettings(**kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -99,7 +100,8 @@ class Engine:
 
     Raises:
         ValueError: the plan cannot hold one sequence of `max_seq_len` tokens, or has
-            fewer state slots than sequences for a hybrid recipe.
+            fewer state slots than sequences for a hybrid recipe, or `state_dir` cannot
+            be used (another process holds it, not writable).
     """
 
     def __init__(self, config: ModelConfig, plan: CapacityPlan,
@@ -184,7 +186,11 @@ class Engine:
         disk = transfers = None
         if state_dir is not None and disk_bytes > 0:
             layout = json.dumps(self.layout.describe(), sort_keys=True)
-            disk = DiskTier(Path(state_dir), namespace, layout, disk_bytes)
+            try:
+                disk = DiskTier(Path(state_dir), namespace, layout, disk_bytes)
+            except (RuntimeError, OSError, sqlite3.Error) as exc:  # in use, unwritable, ...
+                raise ValueError(f"state folder {str(state_dir)!r} cannot be used: {exc}") \
+                    from None
             transfers = TransferQueue(disk, max_pending, on_complete=self._notify)
         if host_bytes <= 0 and disk is None:
             return None

@@ -63,6 +63,12 @@ def test_saved_session_survives_sigkill_and_restores_equal_to_recompute(
         cached = restored["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= 16
         assert metric(second.url, "flare_tier_restores_disk_total") == 1
+        bad = httpx.post(second.url + "/v1/state/offload", json={"to": "tape"}, timeout=10)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "to"
+        off = httpx.post(second.url + "/v1/state/offload", json={"to": "disk"}, timeout=60)
+        assert off.status_code == 200, off.text
+        assert off.json()["pages_released"] > 0
+        assert metric(second.url, "flare_prefix_cache_pages") == 0
     finally:
         second.stop()
 

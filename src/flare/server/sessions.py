@@ -4,6 +4,8 @@
     DELETE /v1/sessions/{name}        forget the name (its cached state ages out as usual)
     POST   /v1/sessions/{name}/fork   {"id": NEW}: NEW starts from the same state
     POST   /v1/sessions/{name}/save   write the state to the disk tier (survives a restart)
+    POST   /v1/state/offload          {"to": "host" | "disk"}: move every cached state no
+                                      request uses out of the device pools
 
 Errors are OpenAI-style bodies: 400 for a bad name or body, 404 for an unknown session,
 409 when a fork target exists, 503 when the server has no disk tier or the write failed.
@@ -101,5 +103,30 @@ def sessions_router(engine: Any) -> APIRouter:
         core.sessions.mark_saved(name, tokens, covered)
         return _body(name, len(tokens), covered,
                      records_written=ticket.written if ticket is not None else 0)
+
+    @router.post("/v1/state/offload")
+    async def offload_state(request: Request) -> dict[str, Any]:
+        """Move every cached state no request uses out of the device pools: to the host
+        tier (`{"to": "host"}`, the default) or on to disk (`{"to": "disk"}`: waits for
+        the writes; before a planned restart, so the next server restores from disk)."""
+        core = engine_core()
+        try:
+            body = await request.json() if await request.body() else {}
+        except ValueError:
+            raise ApiError(400, "body must be a JSON object like {\"to\": \"disk\"}",
+                           param="to") from None
+        to = body.get("to", "host") if isinstance(body, dict) else None
+        if to not in ("host", "disk"):
+            raise ApiError(400, f"'to' must be \"host\" or \"disk\", got {to!r}", param="to")
+        if core.tiers is None or (to == "disk" and core.tiers.transfers is None):
+            raise ApiError(503, f"this server has no {to} tier", type="server_error",
+                           code=f"no_{to}_tier")
+        pages = await asyncio.wrap_future(core.call(core.offload))
+        written = 0
+        if to == "disk":
+            written = await asyncio.wrap_future(core.call(lambda: core.tiers.flush(0)))
+            await asyncio.to_thread(core.tiers.transfers.wait_idle, SAVE_TIMEOUT_S)
+        return {"object": "state.offload", "to": to, "pages_released": pages,
+                "records_written": written}
 
     return router

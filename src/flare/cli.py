@@ -2,7 +2,8 @@
 
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
                                    --num-pages N --max-batch-tokens N --dtype D --name S
-                                   --checkpoint-interval TOKENS --checkpoint-slots N]
+                                   --checkpoint-interval TOKENS --checkpoint-slots N
+                                   --weights full|fp16]
     flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json]
     flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
     prep.add_argument("--out", required=True, type=Path, help="package folder to write")
     prep.add_argument("--name", default=None, help="model name (default: from the file)")
+    prep.add_argument("--weights", choices=["full", "fp16"], default=None,
+                      help="weight format of the linear layers: full (serving dtype) or fp16 "
+                           "(float16 weights, fbgemm GEMM; CPU, float32, Llama family). "
+                           "Default: fp16 where it applies, else full")
     _add_plan_options(prep)
     ck = prep.add_argument_group("checkpoints (hybrid recipes: Qwen3.5, LFM2)")
     ck.add_argument("--checkpoint-interval", type=_non_negative_int, default=None,
@@ -159,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder of the disk tier of conversation states, kept across "
                             "restarts (default with --embedded: CACHE_DIR/state; otherwise "
                             "none)")
+    serve.add_argument("--save-state-on-shutdown", action="store_true",
+                       help="at SIGTERM/SIGINT, write every cached conversation state to "
+                            "the disk tier so the next start restores it (needs a state "
+                            "folder)")
     serve.add_argument("--restore-cost-factor", type=float, default=0.5,
                        help="restore a state from host/disk only when its transfer is "
                             "estimated below this x the prefill it saves (default 0.5)")
@@ -200,7 +209,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     manifest = prepare_package(_model_path(args.model), args.out, dtype=args.dtype,
                                model_name=args.name, progress=True,
                                checkpoint_interval=args.checkpoint_interval,
-                               checkpoint_slots=args.checkpoint_slots, **_plan_kwargs(args))
+                               checkpoint_slots=args.checkpoint_slots, weights=args.weights,
+                               **_plan_kwargs(args))
     print(f"{args.out}\t{manifest.package_id}")
     return 0
 
@@ -230,6 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           prefix_cache=not args.no_prefix_cache,
           state_dir=str(state_dir) if state_dir else None,
           restore_cost_factor=args.restore_cost_factor,
+          save_state_on_shutdown=args.save_state_on_shutdown,
           shutdown_timeout_s=args.shutdown_timeout)
     return 0
 

@@ -288,3 +288,17 @@ def test_hybrid_layer_state_lost_in_transfer_means_clean_recompute(hybrid, hybri
     assert engine.stats()["tier_restores_disk_total"] == 0
     engine.check_integrity()
     engine.stop()
+
+
+def test_state_saved_at_shutdown_is_restored_after_restart(tiny, cold, tmp_path):
+    """serve --save-state-on-shutdown: what the device pool held is on disk after stop."""
+    engine = make_engine(tiny, state_dir=tmp_path)
+    _, turn2 = two_turns(engine, seed=41)
+    engine.save_state_on_stop = True
+    engine.stop()
+    restarted = make_engine(tiny, state_dir=tmp_path)
+    got, last = run(restarted, turn2)
+    assert got == run(cold, turn2)[0]
+    assert last.num_cached_tokens == 48
+    assert restarted.stats()["tier_restores_disk_total"] == 1
+    restarted.stop()

@@ -175,6 +175,7 @@ class Engine:
         self._aborts: list[str] = []
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._sampled_logprobs: dict[str, Any] = {}  # this step's, by request (`_run`)
+        self.save_state_on_stop = False  # serve --save-state-on-shutdown
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._seed_rng = torch.Generator().manual_seed(0)
@@ -288,14 +289,28 @@ class Engine:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the step loop (running requests end with "abort"); with
+        `save_state_on_stop` and a disk tier, first write every cached state to disk, so a
+        restarted server restores it. Then close the tiers."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        if self.tiers is not None:
-            self.tiers.close()
+        if self.tiers is None:
+            return
+        if self.save_state_on_stop and self.tiers.transfers is not None:
+            try:
+                self.offload()
+                log.info("saved %d state records to disk at shutdown", self.tiers.flush())
+            except Exception:  # a failed save costs recomputation later, never the exit
+                log.exception("saving state at shutdown failed")
+        self.tiers.close()
+        # the pools stay usable (tests read them after stop) but nothing reaches the tiers
+        self.tiers = self._reuse.tiers = self._reuse.index.on_evict = None
+        if self.checkpoints is not None:
+            self.checkpoints.on_evict = None
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy, queue lengths and counters (a snapshot; ints)."""

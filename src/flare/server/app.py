@@ -520,7 +520,8 @@ def create_app(
 def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", *, prefix_cache: bool = True,
           shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
-          restore_cost_factor: float = 0.5, **settings: Any) -> None:
+          restore_cost_factor: float = 0.5, save_state_on_shutdown: bool = False,
+          **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
@@ -538,6 +539,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         restore_cost_factor: restore from host/disk only when the estimated transfer time
             is below this factor x the estimated prefill time it saves (speeds measured by
             prepare, manifest tuning).
+        save_state_on_shutdown: at exit, write every cached state to the disk tier.
         **settings: `ServerSettings` fields.
 
     Raises:
@@ -557,6 +559,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
     policy = cost_policy_from_tuning(package.manifest.tuning, restore_cost_factor)
     engine = Engine.from_package(package, prefix_cache=prefix_cache, cost_policy=policy,
                                  state_dir=state_dir)
+    engine.save_state_on_stop = save_state_on_shutdown
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,

@@ -1,6 +1,8 @@
 """End to end: `flare qualify --package PKG --quick` starts `flare serve PKG` in a subprocess,
-runs every scenario over HTTP/SSE against the embedded model, writes a packet; then
-`flare evidence verify` checks it offline, and `flare qualify report` renders it."""
+runs every scenario over HTTP/SSE against the embedded model (host-restore offloads to the
+host tier; restart-restore offloads to disk and restarts the server once on the same state
+folder), writes a packet; then `flare evidence verify` checks it offline, and
+`flare qualify report` renders it."""
 
 from __future__ import annotations
 
@@ -38,12 +40,26 @@ def test_quick_qualification_verifies(smollm2_package: Path, tmp_path: Path, cap
     assert len(obs) == packet["requests_sent"] > 0
     assert all(schema_errors("observation", o) == [] for o in obs)
     assert {o["group"] for o in obs} >= {"ttft-512", "miss", "device-hit", "cancel", "branch",
-                                         "agent-session", "agent-session-cold"}
+                                         "agent-session", "agent-session-cold",
+                                         "host-restore.setup", "host-restore",
+                                         "restart-restore.setup", "restart-restore"}
     assert any(o["status"] == "cancelled" for o in obs)
     ttft = [o for o in obs if o["group"] == "ttft-512"]
     assert all(o["usage"]["prompt_tokens"] == 512 for o in ttft if o["usage"])
-    skipped = {s["name"]: s for s in packet["scenarios"] if s["status"] == "skipped"}
-    assert set(skipped) >= {"host-restore", "restart-restore"}
+    status = {s["name"]: s["status"] for s in packet["scenarios"]}
+    assert status["host-restore"] == status["restart-restore"] == "ran", packet["scenarios"]
+    # the measured restore requests: completed, with the server's reuse record and usage,
+    # client and server clocks apart, and the snapshots around them
+    labels = [s["label"] for s in packet["server_state"]]
+    assert "restarted:restart-restore" in labels
+    for o in obs:
+        if o["group"] in ("host-restore", "restart-restore"):
+            assert o["status"] == "ok" and o["reuse"] is not None and o["usage"] is not None
+            assert o["client"]["clock"] == "client_monotonic_ns"
+            assert o["server"]["clock"] == "server_monotonic_ns"
+            assert {f"before:{o['request_id']}", f"after:{o['request_id']}"} <= set(labels)
+    log = (out / "server.log").read_text(errors="replace")
+    assert "flare qualify: server restarted" in log
     assert packet["provenance"]["package"]["package_id"] == json.loads(
         (smollm2_package / "manifest.json").read_text())["package_id"]
     assert packet["capacity"]["claimed"]["max_seq_len"] == 2048
@@ -70,8 +86,9 @@ def test_quick_qualification_verifies(smollm2_package: Path, tmp_path: Path, cap
 
     assert flare_main(["qualify", "report", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "ttft-512" in table
+    assert "ttft-512" in table and "restart-restore/" in table
     for png in ("ttft_per_group.png", "agent_ttft_per_turn.png", "agent_cached_per_turn.png"):
         assert (out / "report" / png).stat().st_size > 1000
-    print(f"quick qualification took {took:.1f} s")
+    with capsys.disabled():
+        print(f"\nquick qualification took {took:.1f} s\n{table}")
     assert (out / SUMMARY_FILE).is_file()

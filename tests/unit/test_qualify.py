@@ -11,14 +11,16 @@ import httpx
 import pytest
 
 from flare.evidence import synthetic
+from flare.evidence.checks import RESTARTED, check_counters, server_lifetimes
 from flare.evidence.clocks import CLIENT, SERVER, ClockDomainError
 from flare.evidence.receipt import verify
 from flare.evidence.schema import PACKET_FILE, schema_errors
 from flare.qualify.client import Client
 from flare.qualify.packet import write_packet
-from flare.qualify.report import write_report
+from flare.qualify.report import restore_rows, write_report
 from flare.qualify.runner import DEFAULT_CORPUS, load_corpus, prepare_out
 from flare.qualify.scenarios import Run, Settings
+from flare.qualify.server import ManagedServer
 
 # --------------------------------------------------------------------------- SSE client
 
@@ -154,26 +156,188 @@ def test_failures_are_observations():
     assert obs["status"] == "failed" and obs["error"]["http_status"] is None
 
 
-def test_run_lists_every_request_before_sending_it():
-    chunks = _sse(_chunk({"content": "a"}), _chunk({}, "stop"), b"[DONE]")
+class FakeServer:
+    """A scripted server for `Run`: streams, /debug/state with counters that a restart
+    resets, /v1/state/offload (or 503 without tiers), and a restart that can be counted."""
 
-    def handler(request):
-        if request.url.path == "/debug/state":
-            return httpx.Response(200, json={"num_running": 0, "num_waiting": 0,
-                                             "pages_total": 8, "pages_used": 0, "pages_free": 8})
-        return httpx.Response(200, content=_stream(list(chunks)))
+    def __init__(self, tiers: bool = True) -> None:
+        self.tiers = tiers
+        self.finished = 0
+        self.offloads: list[str] = []
+        self.restarts = 0
+        self.paths: list[str] = []
 
-    client = Client("http://test", "m", transport=httpx.MockTransport(handler))
-    run = Run(client, Settings.quick(ttft_samples=2), tokenizer=None, corpus=None)
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.paths.append(f"{request.method} {path}")
+        if path == "/debug/state":
+            return httpx.Response(200, json={
+                "num_running": 0, "num_waiting": 0, "pages_total": 8, "pages_used": 0,
+                "pages_free": 8, "requests_finished_total": self.finished,
+                "requests_aborted_total": 0, "tier_restores_host_total": len(self.offloads),
+                "tier_restores_disk_total": 0})
+        if path == "/v1/state/offload":
+            if not self.tiers:
+                return httpx.Response(503, json={"error": {
+                    "message": "this server has no host tier", "type": "server_error",
+                    "code": "no_host_tier"}})
+            self.offloads.append(json.loads(request.content)["to"])
+            return httpx.Response(200, json={"object": "state.offload", "to":
+                                             self.offloads[-1], "pages_released": 3,
+                                             "records_written": 0})
+        self.finished += 1
+        chunks = _sse(_chunk({"content": "a"}), _chunk({}, "stop"),
+                      {"id": "x", "choices": [], "usage": USAGE, "flare": FLARE}, b"[DONE]")
+        return httpx.Response(200, content=_stream(chunks))
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.finished = 0  # a new process counts from 0
+
+
+def _run(server: FakeServer, restart: bool = True, **settings) -> Run:
+    client = Client("http://test", "m", transport=httpx.MockTransport(server.handler))
+    run = Run(client, Settings.quick(ttft_samples=2, **settings), tokenizer=None, corpus=None,
+              restart=server.restart if restart else None)
     run.run_all()
+    return run
+
+
+def test_run_lists_every_request_before_sending_it():
+    server = FakeServer()
+    run = _run(server)
     listed = [rid for s in run.scenarios for rid in s.request_ids]
     assert listed == [o["request_id"] for o in run.observations]
     names = [s.name for s in run.scenarios]
-    for skipped in ("agent-session", "host-restore", "restart-restore"):
-        rec = next(s for s in run.scenarios if s.name == skipped)
-        assert rec.status == "skipped" and rec.reason and not rec.request_ids
+    rec = next(s for s in run.scenarios if s.name == "agent-session")
+    assert rec.status == "skipped" and rec.reason and not rec.request_ids
     assert names[:6] == ["warmup", "ttft-512", "miss", "device-hit", "cancel", "branch"]
+    assert names[-2:] == ["host-restore", "restart-restore"]  # the restart comes last
+    assert all(s.status == "ran" for s in run.scenarios if s.name != "agent-session")
     assert run.snapshots[0]["label"] == "start" and run.snapshots[-1]["label"] == "end"
+
+
+def test_host_and_restart_restore_offload_restart_and_resend():
+    server = FakeServer()
+    run = _run(server, host_restore=2, restart_restore=2, restore_turns=3)
+    by_group: dict[str, list[dict]] = {}
+    for o in run.observations:
+        by_group.setdefault(o["group"], []).append(o)
+    # host-restore: per conversation, turns 0 and 1 set up, then offload, then turn 2
+    assert [(o["session"], o["turn"]) for o in by_group["host-restore.setup"]] == [
+        ("host-0", 0), ("host-0", 1), ("host-1", 0), ("host-1", 1)]
+    assert [(o["session"], o["turn"]) for o in by_group["host-restore"]] == [
+        ("host-0", 2), ("host-1", 2)]
+    # restart-restore: both conversations set up, one disk offload, one restart, a warmup
+    # of the new process, then each conversation resent with its new turn
+    setup = by_group["restart-restore.setup"]
+    assert [(o["session"], o["turn"]) for o in setup] == [
+        ("restart-0", 0), ("restart-0", 1), ("restart-1", 0), ("restart-1", 1), (None, None)]
+    assert [(o["session"], o["turn"]) for o in by_group["restart-restore"]] == [
+        ("restart-0", 2), ("restart-1", 2)]
+    assert server.offloads == ["host", "host", "disk"] and server.restarts == 1
+    # the measured request's prompt extends its setup turns: history + reply + new message
+    first, last = by_group["host-restore.setup"][1], by_group["host-restore"][0]
+    assert last["request"]["messages"] == first["request"]["messages"] + 2
+    # the offload happens between the last setup turn and the measured turn
+    order = [p for p in server.paths if p.startswith("POST")]
+    i_host = order.index("POST /v1/state/offload")
+    assert order[i_host - 1:i_host + 2] == ["POST /v1/chat/completions",
+                                            "POST /v1/state/offload",
+                                            "POST /v1/chat/completions"]
+    labels = [s["label"] for s in run.snapshots]
+    for o in by_group["host-restore"] + by_group["restart-restore"]:
+        i = labels.index(f"before:{o['request_id']}")
+        assert labels[i + 1] == f"after:{o['request_id']}"
+    i = labels.index(f"{RESTARTED}restart-restore")
+    assert labels[i - 1] == "offloaded:restart-restore"
+    # client and server clocks stay apart in every restore observation
+    for o in by_group["restart-restore"]:
+        assert o["client"]["clock"] == CLIENT and o["server"]["clock"] == SERVER
+        assert o["usage"]["cached_tokens"] == 32 and o["reuse"]["outcome"] == "Admitted"
+    # the counters restart with the server: two lifetimes, each conserving its requests
+    lives = server_lifetimes(run.snapshots)
+    assert len(lives) == 2 and lives[1][0]["label"] == f"{RESTARTED}restart-restore"
+    assert lives[1][0]["state"]["requests_finished_total"] == 0
+    total = sum(life[-1]["state"]["requests_finished_total"]
+                - life[0]["state"]["requests_finished_total"] for life in lives)
+    assert total == len(run.observations)
+    rows = restore_rows(run.observations, run.snapshots)
+    assert [r["request"] for r in rows] == [o["request_id"] for o in
+                                            by_group["host-restore"] + by_group["restart-restore"]]
+    assert rows[0]["restored from"] == "none"  # the fake's counter moves at the offload
+    assert rows[0]["outcome"] == "Admitted" and rows[0]["cached tok"] == 32
+
+
+def test_restart_restore_is_skipped_without_a_restart_and_host_restore_needs_the_tier():
+    server = FakeServer(tiers=False)
+    run = _run(server, restart=False)
+    sc = {s.name: s for s in run.scenarios}
+    assert sc["restart-restore"].status == "skipped"
+    assert "--url" in sc["restart-restore"].reason and not sc["restart-restore"].request_ids
+    host = sc["host-restore"]
+    assert host.status == "aborted" and "503 no_host_tier" in host.reason
+    # what it sent before the refusal is still listed and observed
+    assert host.request_ids == [o["request_id"] for o in run.observations
+                                if o["scenario"] == "host-restore"]
+    assert {o["group"] for o in run.observations if o["scenario"] == "host-restore"} == {
+        "host-restore.setup"}
+    assert server.restarts == 0
+    run = _run(FakeServer(), restart_restore=0)
+    assert {s.name: s for s in run.scenarios}["restart-restore"].reason == \
+        "disabled (--no-restart)"
+
+
+def test_managed_server_passes_its_state_folder(tmp_path: Path):
+    srv = ManagedServer(tmp_path / "pkg", tmp_path / "log", state_dir=tmp_path / "state",
+                        extra_args=("--max-queue", "4"))
+    argv = srv.argv()
+    assert argv[argv.index("serve") + 1] == str(tmp_path / "pkg")
+    assert argv[argv.index("--state-dir") + 1] == str(tmp_path / "state")
+    assert argv[argv.index("--port") + 1] == str(srv.port) and argv[-2:] == ["--max-queue", "4"]
+    # --embedded: serve's own default state folder (CACHE_DIR/state) unless one is given
+    emb = ManagedServer(None, tmp_path / "log").argv()
+    assert "--embedded" in emb and "--state-dir" not in emb
+
+
+def test_verifier_sums_counters_over_server_lifetimes(tmp_path: Path):
+    """A restart resets the server's counters: each lifetime is conserved on its own, and a
+    snapshot that claims a restart its counters do not show is a finding."""
+    packet, obs = synthetic.parts()
+    m = len(obs) // 2
+    end = packet["server_state"][-1]
+    start = packet["server_state"][0]
+    mid_ns = obs[m]["client"]["send_ns"] - 1
+    packet["server_state"] = [
+        start,
+        {"label": "offloaded:restart-restore", "client_ns": mid_ns - 1, "idle": True,
+         "state": synthetic._state(obs[:m], True)},
+        {"label": f"{RESTARTED}restart-restore", "client_ns": mid_ns, "idle": True,
+         "state": synthetic._state(obs, False)},
+        {**end, "state": synthetic._state(obs[m:], True)},
+    ]
+    write_packet(tmp_path / "p", packet, obs)
+    receipt = verify(tmp_path / "p")
+    st = {c["name"]: c for c in receipt["checks"]}
+    assert st["counter-conservation"]["status"] == "pass", st["counter-conservation"]
+    assert "request counters across the run" in st["counter-conservation"]["message"]
+    assert receipt["verdict"] == "PASS"
+
+    class P:  # the loaded packet, as check_counters reads it
+        pass
+
+    p = P()
+    p.packet, p.observations = packet, obs
+    assert check_counters(p).status == "pass"
+    # the same snapshots without the restart label: the counters went backwards
+    packet["server_state"][2]["label"] = "after-restart"
+    r = check_counters(p)
+    assert r.status == "fail" and any("across the run" in f for f in r.findings)
+    # a restart label on a server whose counters did not restart
+    packet["server_state"][2]["label"] = f"{RESTARTED}restart-restore"
+    packet["server_state"][2]["state"] = synthetic._state(obs[:m], True)
+    r = check_counters(p)
+    assert r.status == "fail" and any("expected 0" in f for f in r.findings)
 
 
 # --------------------------------------------------------------------------- clock domains

@@ -172,6 +172,16 @@ def _gate(engine: Engine) -> threading.Event:
     return gate
 
 
+def drive(engine: Engine, done, max_steps: int = 500) -> None:
+    """Step the engine until `done()`; while only transfers are pending, wait for them."""
+    for _ in range(max_steps):
+        if done():
+            return
+        if not engine.step():
+            engine.tiers.transfers.wait_idle(5)
+    raise AssertionError(f"not done after {max_steps} steps")
+
+
 def test_cancel_during_restore_leaks_nothing_and_the_other_waiter_is_served(tiny, cold,
                                                                            tmp_path):
     engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
@@ -190,11 +200,7 @@ def test_cancel_during_restore_leaks_nothing_and_the_other_waiter_is_served(tiny
     engine.step()
     assert outs["a"][-1].finish_reason == "abort"
     gate.set()
-    for _ in range(500):
-        if outs["b"] and outs["b"][-1].finished:
-            break
-        if not engine.step():
-            engine.tiers.transfers.wait_idle(5)
+    drive(engine, lambda: bool(outs["b"]) and outs["b"][-1].finished)
     got = sum((o.token_ids for o in outs["b"]), [])
     assert got == run(cold, turn2)[0]
     assert outs["b"][-1].num_cached_tokens == 48
@@ -216,11 +222,7 @@ def test_full_transfer_queue_is_enqueue_rejected_and_answers_correctly(tiny, col
     engine.add_request(GenerationRequest("b", second, greedy()))
     engine.step()  # a takes the one ticket; b finds the queue full and computes all
     gate.set()
-    for _ in range(500):
-        if all(v and v[-1].finished for v in outs.values()):
-            break
-        if not engine.step():
-            engine.tiers.transfers.wait_idle(5)
+    drive(engine, lambda: all(v and v[-1].finished for v in outs.values()))
     assert outs["b"][-1].reuse["outcome"] == "EnqueueRejected"
     assert sum((o.token_ids for o in outs["b"]), []) == run(cold, second)[0]
     assert sum((o.token_ids for o in outs["a"]), []) == run(cold, first)[0]

@@ -505,6 +505,20 @@ REUSE_KEYS = {
     "Admitted": "reuse_outcome_admitted_total",
 }
 HIT_OUTCOMES = ("CostRejected", "CapacityRejected", "EnqueueRejected", "Admitted")
+# A snapshot labelled `restarted:<scenario>` is the first of a new server process (the
+# harness restarted the server on the same state folder; its counters start again at 0).
+RESTARTED = "restarted:"
+RESTART_COUNTERS = ("requests_finished_total", "requests_aborted_total")
+
+
+def server_lifetimes(snaps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The snapshots split into server lifetimes: each `restarted:` snapshot begins one."""
+    out: list[list[dict[str, Any]]] = [[]]
+    for s in snaps:
+        if s["label"].startswith(RESTARTED) and out[-1]:
+            out.append([])
+        out[-1].append(s)
+    return out
 
 
 def _reached_engine(o: dict[str, Any]) -> bool | None:
@@ -590,13 +604,25 @@ def check_counters(p: Packet) -> CheckResult:
             evaluated.append("reuse counter identities")
         else:
             not_evaluated.append("reuse counter identities: the server reports no reuse counters")
-    # across the run: deltas between the first and the last snapshot
+    # across the run: deltas between the first and the last snapshot of each server
+    # lifetime (one unless the harness restarted the server), summed
     exclusive = p.packet["provenance"]["server"]["exclusive"]
-    if len(snaps) >= 2 and exclusive:
-        first, last = snaps[0]["state"], snaps[-1]["state"]
-
+    lifetimes = server_lifetimes(snaps)
+    for life in lifetimes[1:]:
+        st, lab = life[0]["state"], life[0]["label"]
+        if any(st.get(k, 0) for k in RESTART_COUNTERS):
+            findings.append(f"snapshot {lab}: a restarted server's first snapshot counts "
+                            f"{sum(st.get(k, 0) for k in RESTART_COUNTERS)} finished or "
+                            f"aborted requests (expected 0)")
+    if len(snaps) >= 2 and exclusive and any(len(life) < 2 for life in lifetimes):
+        not_evaluated.append("counters across the run: a server lifetime has a single "
+                             "snapshot")
+    elif len(snaps) >= 2 and exclusive:
         def delta(key: str) -> int | None:
-            return last[key] - first[key] if key in first and key in last else None
+            if not all(key in life[0]["state"] and key in life[-1]["state"]
+                       for life in lifetimes):
+                return None
+            return sum(life[-1]["state"][key] - life[0]["state"][key] for life in lifetimes)
 
         reached = [_reached_engine(o) for o in obs]
         d_fin, d_abort = delta("requests_finished_total"), delta("requests_aborted_total")
@@ -605,8 +631,9 @@ def check_counters(p: Packet) -> CheckResult:
         elif None in reached:
             not_evaluated.append("requests across the run: some failures cannot be placed "
                                  "(no HTTP status)")
-        elif not snaps[-1]["idle"]:
-            not_evaluated.append("requests across the run: the server was not idle at the end")
+        elif not all(life[-1]["idle"] for life in lifetimes):
+            not_evaluated.append("requests across the run: the server was not idle at the end"
+                                 + (" of a lifetime" if len(lifetimes) > 1 else ""))
         else:
             expect = sum(1 for r in reached if r)
             if d_fin + d_abort != expect:

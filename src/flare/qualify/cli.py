@@ -18,7 +18,7 @@ from typing import Any
 EPILOG = """\
 The packet (packet.json, observations.jsonl, summary.json) is what `flare evidence verify`
 checks. Every request sent is one observation, failed and cancelled ones included.
-host-restore and restart-restore are recorded as skipped (no offload tier yet).
+restart-restore restarts the server the harness started (skipped with --url).
 See docs/qualification.md.
 """
 
@@ -60,7 +60,8 @@ def add_qualify_parser(sub: Any) -> argparse.ArgumentParser:
                      help="replace a packet already in --out")
     run.add_argument("--quick", action="store_true",
                      help="a short run (5 ttft-512 samples, 4 tokens per request, one agent "
-                          "session of 3 turns)")
+                          "session of 3 turns, one host-restore and one restart-restore "
+                          "conversation of 2 turns)")
     run.add_argument("--max-tokens", type=_positive_int, default=None,
                      help="completion tokens per request (default 32; quick 4)")
     run.add_argument("--ttft-samples", type=_positive_int, default=None,
@@ -71,6 +72,11 @@ def add_qualify_parser(sub: Any) -> argparse.ArgumentParser:
                      help="turns per agent session (default all; quick 3)")
     run.add_argument("--no-cold", action="store_true",
                      help="skip agent-session-cold (the no-reuse baseline)")
+    run.add_argument("--no-restart", action="store_true",
+                     help="skip restart-restore (it restarts the started server once)")
+    run.add_argument("--state-dir", type=Path, default=None,
+                     help="--state-dir of the started server (its disk tier; default a fresh "
+                          "temporary folder, deleted after the run)")
     run.add_argument("--corpus", type=Path, default=None,
                      help="agent-session corpus (default corpus/agent-sessions-v1.json)")
     rep = q.add_argument_group("report")
@@ -107,13 +113,15 @@ def run(args: argparse.Namespace) -> int:
                  if v is not None}
     if args.no_cold:
         overrides["cold"] = False
+    if args.no_restart:
+        overrides["restart_restore"] = 0
     settings = Settings.quick(**overrides) if args.quick else Settings(**overrides)
     try:
         out = qualify(args.out, url=args.url, package=args.package, settings=settings,
                       corpus_path=args.corpus or DEFAULT_CORPUS,
                       startup_timeout=args.startup_timeout,
                       request_timeout=args.request_timeout, overwrite=args.overwrite,
-                      argv=None)
+                      argv=None, state_dir=args.state_dir)
     except ServerStartError as exc:
         print(f"flare qualify: error: {exc}", file=sys.stderr)
         return 1

@@ -36,6 +36,10 @@ def prompt_digest(prompt: Any) -> tuple[str, int]:
     return hashlib.sha256(text.encode("utf-8")).hexdigest(), size
 
 
+class RouteError(RuntimeError):
+    """A side route (not a measured request) answered with an error status."""
+
+
 class Client:
     """Streams requests to an OpenAI-compatible server and records observations.
 
@@ -52,18 +56,41 @@ class Client:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.count_tokens = count_tokens
-        self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout),
-                                 transport=transport)
+        self._timeout = timeout
+        self._transport = transport
+        self.http = self._new_http()
         self.fingerprint: str | None = None  # the last system_fingerprint the server sent
+
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(self._timeout),
+                            transport=self._transport)
 
     def close(self) -> None:
         self.http.close()
+
+    def reconnect(self) -> None:
+        """Drop every pooled connection (the server was restarted on the same address)."""
+        self.http.close()
+        self.http = self._new_http()
 
     # ------------------------------------------------------------------ side routes
 
     def get_json(self, path: str) -> Any:
         r = self.http.get(path)
         r.raise_for_status()
+        return r.json()
+
+    def post_json(self, path: str, body: dict[str, Any]) -> Any:
+        """POST a JSON body to a side route (not an observation); its JSON answer.
+
+        Raises:
+            RouteError: any status but 200 (the message names the route and the error).
+        """
+        r = self.http.post(path, json=body)
+        if r.status_code != 200:
+            err = _http_error(r.status_code, r.content)
+            raise RouteError(f"POST {path} {json.dumps(body)}: HTTP {r.status_code} "
+                             f"{err['type']}: {err['message']}")
         return r.json()
 
     # ------------------------------------------------------------------ requests

@@ -6,6 +6,10 @@ definitions the verifier uses), not read from `summary.json`. Plots:
 - `agent_ttft_per_turn.png`: TTFT per agent turn, with reuse (`agent-session`) and without
   (`agent-session-cold`);
 - `agent_cached_per_turn.png`: prompt tokens and cached (reused) prompt tokens per turn.
+
+Tables: groups; restores (each measured `host-restore` / `restart-restore` request: the
+server's reuse record, and the tier its state came from as the server's tier counters
+changed between the snapshots `before:<request id>` and `after:<request id>`); agent turns.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from flare.evidence import recompute
 from flare.evidence.schema import OBSERVATIONS_FILE, PACKET_FILE
 
 AGENT, AGENT_COLD = "agent-session", "agent-session-cold"
+RESTORE_GROUPS = ("host-restore", "restart-restore")
+TIER_COUNTERS = {"host": "tier_restores_host_total", "disk": "tier_restores_disk_total"}
 
 
 def _ms(ns: float | int | None) -> str:
@@ -52,6 +58,42 @@ def group_rows(observations: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "cached tok": g["usage"]["cached_tokens"] if g["usage"]["n"] else "-",
             "reuse outcomes": (", ".join(f"{k}={v}" for k, v in outcomes.items() if v)
                                if outcomes else "not reported"),
+        })
+    return rows
+
+
+def restore_rows(observations: list[dict[str, Any]],
+                 snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per measured restore request: tokens, reuse record, the tier restored from (the
+    change of the server's tier counters across the request, from the snapshots around
+    it: "-" when either snapshot or counter is missing, "none" when no tier restored),
+    client and server TTFT, server queue time."""
+    by_label = {s["label"]: s["state"] for s in snapshots}
+    rows = []
+    for o in observations:
+        if o["group"] not in RESTORE_GROUPS:
+            continue
+        before = by_label.get(f"before:{o['request_id']}")
+        after = by_label.get(f"after:{o['request_id']}")
+        tiers, restored = "-", "-"
+        if before is not None and after is not None:
+            got = {t: after[k] - before[k] for t, k in TIER_COUNTERS.items()
+                   if k in before and k in after}
+            if got:
+                tiers = ", ".join(f"{t} x{n}" for t, n in got.items() if n) or "none"
+            k = "tier_restored_tokens_total"
+            if k in before and k in after:
+                restored = after[k] - before[k]
+        u, r = o["usage"] or {}, o["reuse"] or {}
+        rows.append({
+            "request": o["request_id"], "group": o["group"], "status": o["status"],
+            "prompt tok": u.get("prompt_tokens", "-"), "cached tok": u.get("cached_tokens", "-"),
+            "outcome": r.get("outcome", "not reported"),
+            "matched tok": r.get("matched_tokens", "-"),
+            "restored from": tiers, "tier restored tok": restored,
+            "ttft ms": _ms(recompute.ttft_client_ns(o)),
+            "server ttft ms": _ms(recompute.ttft_server_ns(o)),
+            "server queue ms": _ms(recompute.queue_server_ns(o)),
         })
     return rows
 
@@ -178,6 +220,7 @@ def write_report(folder: Path, out: Path | None = None) -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     groups = group_rows(observations)
     turns = agent_turn_rows(observations)
+    restores = restore_rows(observations, packet["server_state"])
     pngs = _plots(observations, out)
     prov = packet["provenance"]
     skipped = [s for s in packet["scenarios"] if s["status"] != "ran" or s["reason"]]
@@ -208,6 +251,10 @@ def write_report(folder: Path, out: Path | None = None) -> tuple[Path, str]:
         "<h2>Scenarios not run, or with notes</h2>",
         _html_table([{"scenario": s["name"], "status": s["status"], "reason": s["reason"]}
                      for s in skipped]),
+        "<h2>Restores (host-restore, restart-restore)</h2>",
+        "<p>Tier: the server's tier counters' change across the request (snapshots "
+        "<code>before:</code> / <code>after:</code> its id); TTFT on the client clock, "
+        "server TTFT and queue time on the server clock.</p>", _html_table(restores),
         "<h2>Agent sessions per turn</h2>", _html_table(turns),
         *[f"<h2>{html.escape(p.removesuffix('.png').replace('_', ' '))}</h2>"
           f"<img src='{p}' alt='{p}'>" for p in pngs],
@@ -215,6 +262,7 @@ def write_report(folder: Path, out: Path | None = None) -> tuple[Path, str]:
     ]
     index = out / "index.html"
     index.write_text("\n".join(page) + "\n", encoding="utf-8")
-    table = (format_table(groups) + "\n\nagent turns (warm = with reuse, cold = without):\n"
+    table = (format_table(groups) + "\n\nrestores (tier from the server's tier counters):\n"
+             + format_table(restores) + "\n\nagent turns (warm = with reuse, cold = without):\n"
              + format_table(turns))
     return index, table

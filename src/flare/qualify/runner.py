@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -64,12 +66,14 @@ def qualify(out: Path, *, url: str | None = None, package: Path | None = None,
             settings: Settings | None = None, corpus_path: Path | None = DEFAULT_CORPUS,
             startup_timeout: float = 180.0, request_timeout: float = 300.0,
             overwrite: bool = False, argv: list[str] | None = None,
-            log: Callable[[str], None] | None = None) -> Path:
+            log: Callable[[str], None] | None = None, state_dir: Path | None = None) -> Path:
     """Run a qualification and write its packet into `out`.
 
     With `package` and no `url`, `flare serve PACKAGE` is started on a free 127.0.0.1 port
-    and stopped afterwards (its log is `out/server.log`). With `url`, that server is used;
-    `package` then only supplies identity, plan, memory report and tokenizer.
+    and stopped afterwards (its log is `out/server.log`), with `--state-dir state_dir` (its
+    disk tier, kept across the restart of `restart-restore`; default a fresh temporary
+    folder, deleted afterwards). With `url`, that server is used; `package` then only
+    supplies identity, plan, memory report and tokenizer, and `restart-restore` is skipped.
 
     Returns:
         `out`.
@@ -90,9 +94,15 @@ def qualify(out: Path, *, url: str | None = None, package: Path | None = None,
         corpus, corpus_id = load_corpus(corpus_path)
     started_at = _now()
     t_start = time.monotonic()
-    server = ManagedServer(package, out / SERVER_LOG, startup_timeout) if url is None else None
+    server = None
     with contextlib.ExitStack() as stack:
-        if server is not None:
+        if url is None:
+            folder = state_dir
+            if folder is None:  # fresh: the restart restores this run's states only
+                folder = Path(tempfile.mkdtemp(prefix="flare-qualify-state-"))
+                stack.callback(shutil.rmtree, folder, ignore_errors=True)  # after stop
+            server = ManagedServer(package, out / SERVER_LOG, startup_timeout,
+                                   state_dir=folder)
             server.launch()
             stack.callback(server.stop)
         tokenizer = None
@@ -116,7 +126,8 @@ def qualify(out: Path, *, url: str | None = None, package: Path | None = None,
                         timeout=request_timeout)
         log(f"server {base_url} model {model!r} ({'started here' if started else 'given'}); "
             f"ready after {time.monotonic() - t_start:.1f} s")
-        run = Run(client, settings, tokenizer, corpus, log)
+        run = Run(client, settings, tokenizer, corpus, log,
+                  restart=server.restart if server is not None else None)
         try:
             run.run_all()
         finally:
@@ -128,7 +139,10 @@ def qualify(out: Path, *, url: str | None = None, package: Path | None = None,
         snapshots=run.snapshots,
         settings={**asdict(settings),
                   "token_count_method": "tokenizer" if tokenizer is not None else "none",
-                  "request_timeout_s": request_timeout},
+                  "request_timeout_s": request_timeout,
+                  # the started server's --state-dir: given, or "temporary" (fresh, deleted)
+                  "state_dir": (None if server is None else
+                                str(state_dir) if state_dir is not None else "temporary")},
         package=pkg_info,
         corpus=corpus_id,
         server={"url": base_url, "started_by_harness": started, "exclusive": started,

@@ -22,7 +22,22 @@ cancelled, the shared history of a branch) are in `<scenario>.setup`.
   own assistant messages, not the model's replies, so every run sends the same prompts).
 - `agent-session-cold`: the same turns, each with a unique nonce at the start of the system
   prompt, so nothing can be reused: the "without reuse" baseline.
-- `host-restore`, `restart-restore`: skipped (need the host offload tier, not built yet).
+- `host-restore`: conversations over a long first message; before the last turn the
+  harness moves every cached state out of the device pools to the host tier
+  (`POST /v1/state/offload {"to": "host"}`), then sends it (measured): its prefix comes
+  back from host memory, or is recomputed, as the server's reuse record says.
+- `restart-restore`: the same kind of conversations, all but their last turn; then
+  `POST /v1/state/offload {"to": "disk"}`, the server is restarted on the same state
+  folder, one short request takes the new process's first-call costs (setup), and each
+  conversation is resent with its new turn (measured): restored from disk or recomputed.
+  Needs a server the harness started (`restart`); skipped otherwise.
+
+Around each measured restore request the harness snapshots `GET /debug/state`
+(`before:<request id>`, `after:<request id>`): the tier counters' change between the two
+(`tier_restores_host_total`, `tier_restores_disk_total`, `tier_restored_tokens_total`) says
+which tier the state came from. The snapshot right after a restart is labelled
+`restarted:restart-restore`: the new process's counters start again there
+(`flare.evidence.checks.server_lifetimes`).
 """
 
 from __future__ import annotations
@@ -33,12 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from flare.evidence.checks import RESTARTED
 from flare.qualify.client import Client
-
-SKIPPED = {
-    "host-restore": "needs the host (CPU memory) offload tier, which is not built yet",
-    "restart-restore": "needs the disk tier and restore at start-up, which are not built yet",
-}
 
 SYSTEM = "You are a helpful assistant for software developers. Answer briefly."
 QUESTIONS = [
@@ -62,6 +73,13 @@ FILLER = (
     "index still lists them for reuse by a later request with the same beginning. Streaming "
     "responses send each piece of text as soon as it is known not to end in a stop string. "
 )
+RESTORE_ASK = "Here are my notes on the server's scheduler:\n\n{notes}\nSummarize them in one line."
+RESTORE_FOLLOW_UPS = [
+    "Which part decides when a page is evicted?",
+    "How would you test that?",
+    "Name one risk of this design.",
+    "What would you measure first?",
+]
 
 
 @dataclass(frozen=True)
@@ -77,6 +95,10 @@ class Settings:
     device_hit: int = 3
     cancel: int = 2
     branch: int = 2
+    host_restore: int = 3  # conversations
+    restart_restore: int = 2  # conversations, all restored after one restart; 0: skip
+    restore_turns: int = 3  # turns per restore conversation; the last is measured
+    restore_context: int = 8  # FILLER paragraphs (about 110 tokens each) in the first turn
     cancel_max_tokens: int = 64
     sessions: int | None = None  # None: every corpus session
     max_turns: int | None = None  # None: every turn
@@ -86,7 +108,8 @@ class Settings:
     @classmethod
     def quick(cls, **overrides: Any) -> "Settings":
         base = cls(preset="quick", max_tokens=4, ttft_samples=5, miss=1, device_hit=1,
-                   cancel=1, branch=1, cancel_max_tokens=16, sessions=1, max_turns=3)
+                   cancel=1, branch=1, host_restore=1, restart_restore=1, restore_turns=2,
+                   restore_context=4, cancel_max_tokens=16, sessions=1, max_turns=3)
         return replace(base, **overrides)
 
 
@@ -111,12 +134,17 @@ class Run:
         tokenizer: the package's tokenizer (exact 512-token prompts, token counts), or None.
         corpus: the loaded agent-session corpus, or None.
         log: progress lines (stderr).
+        restart: stops the server and starts it again on the same address and state
+            folder (returns once it answers), or None when the harness cannot (a server
+            given by --url): then `restart-restore` is skipped.
     """
 
     def __init__(self, client: Client, settings: Settings, tokenizer: Any = None,
                  corpus: dict[str, Any] | None = None,
-                 log: Callable[[str], None] = lambda s: None) -> None:
+                 log: Callable[[str], None] = lambda s: None,
+                 restart: Callable[[], None] | None = None) -> None:
         self.client = client
+        self.restart = restart
         self.settings = settings
         self.tokenizer = tokenizer
         self.corpus = corpus
@@ -130,21 +158,28 @@ class Run:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def snapshot(self, label: str) -> None:
-        """Wait (bounded) until the server is idle, then record GET /debug/state."""
+    def wait_idle(self) -> tuple[dict[str, Any], bool] | None:
+        """Wait (bounded) until the server is idle: (GET /debug/state's numbers, idle), or
+        None when the route does not answer."""
         deadline = time.monotonic() + self.settings.idle_timeout_s
-        state: dict[str, Any] | None = None
         while True:
             try:
                 raw = self.client.get_json("/debug/state")
             except Exception:  # a server without the route: no snapshot, nothing invented
-                return
+                return None
             state = {k: v for k, v in raw.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)}
             idle = not state.get("num_running", 0) and not state.get("num_waiting", 0)
             if idle or time.monotonic() > deadline:
-                break
+                return state, idle
             time.sleep(0.05)
+
+    def snapshot(self, label: str) -> None:
+        """Wait (bounded) until the server is idle, then record GET /debug/state."""
+        got = self.wait_idle()
+        if got is None:
+            return
+        state, idle = got
         self.snapshots.append({"label": label, "client_ns": time.monotonic_ns(), "idle": idle,
                                "state": state})
 
@@ -170,13 +205,34 @@ class Run:
     def skip(self, name: str, reason: str) -> None:
         self.scenarios.append(ScenarioRecord(name, "skipped", reason))
 
+    def next_request_id(self) -> str:
+        """The id the next `send` of the current scenario will get."""
+        rec = self._current
+        assert rec is not None, "outside a scenario"
+        return f"{rec.name}/{len(rec.request_ids):03d}"
+
+    def offload(self, to: str) -> dict[str, Any]:
+        """`POST /v1/state/offload {"to": to}` once the server is idle: every cached state
+        no request uses leaves the device pools (to "host" memory, or on to "disk").
+
+        Raises:
+            RouteError: the server refused (no such tier: 503 no_host_tier / no_disk_tier).
+        """
+        self.wait_idle()
+        started = time.monotonic()
+        answer = self.client.post_json("/v1/state/offload", {"to": to})
+        self.log(f"offload to {to}: {answer.get('pages_released')} pages released, "
+                 f"{answer.get('records_written')} records written "
+                 f"({time.monotonic() - started:.2f} s)")
+        return answer
+
     def send(self, group: str, *, messages: list[dict[str, Any]] | None = None,
              prompt: str | list[int] | None = None, max_tokens: int | None = None,
              session: str | None = None, turn: int | None = None, cancel: bool = False,
              prompt_tokens_target: int | None = None) -> tuple[dict[str, Any], str]:
         rec = self._current
         assert rec is not None, "send() outside a scenario"
-        rid = f"{rec.name}/{len(rec.request_ids):03d}"
+        rid = self.next_request_id()
         rec.request_ids.append(rid)  # listed as sent before it is sent
         n = max_tokens or self.settings.max_tokens
         if messages is not None:
@@ -236,8 +292,18 @@ class Run:
                 self.scenario("agent-session-cold", lambda: self._agent(cold=True))
             else:
                 self.skip("agent-session-cold", "disabled (--no-cold)")
-        for name, reason in SKIPPED.items():
-            self.skip(name, reason)
+        if s.host_restore:
+            self.scenario("host-restore", self._host_restore)
+        else:
+            self.skip("host-restore", "disabled (no conversations)")
+        # last: it restarts the server
+        if self.restart is None:
+            self.skip("restart-restore", "the server was not started by the harness (--url): "
+                                         "it cannot be restarted")
+        elif not s.restart_restore:
+            self.skip("restart-restore", "disabled (--no-restart)")
+        else:
+            self.scenario("restart-restore", self._restart_restore)
         self.snapshot("end")
 
     def _ttft(self) -> None:
@@ -302,3 +368,46 @@ class Run:
                     break
         if stopped and self._current is not None:
             self._current.reason = "sessions stopped early: " + "; ".join(stopped)
+
+    def _restore_history(self, group: str, sid: str) -> list[dict[str, Any]]:
+        """Send every turn of a restore conversation but the last (as `group`); return the
+        messages of the last turn (history, the model's replies, a new user message)."""
+        notes = FILLER * self.settings.restore_context
+        history = [self.system(sid), {"role": "user", "content": RESTORE_ASK.format(notes=notes)}]
+        for turn in range(self.settings.restore_turns - 1):
+            _, reply = self.send(group, messages=history, session=sid, turn=turn)
+            history += [{"role": "assistant", "content": reply},
+                        {"role": "user",
+                         "content": RESTORE_FOLLOW_UPS[turn % len(RESTORE_FOLLOW_UPS)]}]
+        return history
+
+    def _measured_restore(self, group: str, history: list[dict[str, Any]], sid: str) -> None:
+        rid = self.next_request_id()
+        self.snapshot(f"before:{rid}")
+        self.send(group, messages=history, session=sid, turn=self.settings.restore_turns - 1)
+        self.snapshot(f"after:{rid}")
+
+    def _host_restore(self) -> None:
+        for i in range(self.settings.host_restore):
+            sid = f"host-{i}"
+            history = self._restore_history("host-restore.setup", sid)
+            self.offload("host")
+            self._measured_restore("host-restore", history, sid)
+
+    def _restart_restore(self) -> None:
+        assert self.restart is not None
+        conversations = [(f"restart-{i}", self._restore_history("restart-restore.setup",
+                                                                f"restart-{i}"))
+                         for i in range(self.settings.restart_restore)]
+        self.offload("disk")
+        self.snapshot("offloaded:restart-restore")  # the last of this server process
+        started = time.monotonic()
+        self.restart()
+        self.client.reconnect()
+        self.log(f"server restarted in {time.monotonic() - started:.1f} s")
+        self.snapshot(f"{RESTARTED}restart-restore")  # the first of the new process
+        # the new process's first-call costs stay out of the measured group
+        self.send("restart-restore.setup", messages=[self.system("restart-warmup"),
+                                                     {"role": "user", "content": "Say hello."}])
+        for sid, history in conversations:
+            self._measured_restore("restart-restore", history, sid)

@@ -111,10 +111,36 @@ class CheckpointIndex:
         failed: then its slot is back in the pool and nothing half-written is visible).
         """
         assert position == (position // self.page_size) * self.page_size + len(tail)
-        bucket = self._by_parent.get(parent)
-        if bucket is not None and tail in bucket:
-            bucket[tail].last_used = next(self._clock)
+        if self._existing(parent, tail) is not None:
             return None
+        return self._fill(parent, tail, position, lambda slot: self.states.copy(src_slot, slot),
+                          usable)
+
+    def publish_state(self, parent: bytes, tail: tuple[int, ...], position: int,
+                      tensors: dict[str, "torch.Tensor"]) -> Checkpoint | None:
+        """List a checkpoint restored from a lower tier: `tensors` (as `StateSlotPool.read`
+        gives them) are written into a fresh checkpoint slot. Returns the listed checkpoint
+        (an equal one that exists is touched and returned instead), or None when there is
+        no capacity. Raises ValueError (from `StateSlotPool.write`) when `tensors` do not
+        match the layout; the slot is then back in the pool and nothing is listed."""
+        existing = self._existing(parent, tail)
+        if existing is not None:
+            return existing
+        return self._fill(parent, tail, position,
+                          lambda slot: self.states.write(slot, tensors))
+
+    def _existing(self, parent: bytes, tail: tuple[int, ...]) -> Checkpoint | None:
+        """The listed checkpoint under this key, touched (LRU), or None."""
+        ckpt = self._by_parent.get(parent, {}).get(tail)
+        if ckpt is not None:
+            ckpt.last_used = next(self._clock)
+        return ckpt
+
+    def _fill(self, parent: bytes, tail: tuple[int, ...], position: int,
+              fill: Callable[[int], None],
+              usable: Callable[[Checkpoint], bool] | None = None) -> Checkpoint | None:
+        """Take a checkpoint slot (retiring one when at capacity), `fill` it, list it.
+        None without capacity; a failed fill gives the slot back and re-raises."""
         if self.capacity < 1:
             return None
         if len(self) >= self.capacity and self.evict(1, usable) == 0:
@@ -124,40 +150,13 @@ class CheckpointIndex:
         except PoolExhausted:
             return None
         try:
-            self.states.copy(src_slot, slot)
+            fill(slot)
         except Exception:
             self.states.release(slot)
             self.stats.failed += 1
             raise
-        return self._list(Checkpoint(slot, parent, tail, position, next(self._clock)))
-
-    def publish_state(self, parent: bytes, tail: tuple[int, ...], position: int,
-                      tensors: dict[str, "torch.Tensor"]) -> Checkpoint | None:
-        """List a checkpoint restored from a lower tier: `tensors` (as `StateSlotPool.read`
-        gives them) are written into a fresh checkpoint slot. Returns None when nothing
-        was listed (an equal checkpoint exists: it is touched and returned instead; no
-        capacity). Raises ValueError (from `StateSlotPool.write`) when `tensors` do not
-        match the layout; the slot is then back in the pool and nothing is listed."""
-        bucket = self._by_parent.get(parent)
-        if bucket is not None and tail in bucket:
-            bucket[tail].last_used = next(self._clock)
-            return bucket[tail]
-        if self.capacity < 1 or (len(self) >= self.capacity and self.evict(1) == 0):
-            return None
-        try:
-            slot = self.states.allocate()
-        except PoolExhausted:
-            return None
-        try:
-            self.states.write(slot, tensors)
-        except Exception:
-            self.states.release(slot)
-            self.stats.failed += 1
-            raise
-        return self._list(Checkpoint(slot, parent, tail, position, next(self._clock)))
-
-    def _list(self, ckpt: Checkpoint) -> Checkpoint:
-        self._by_parent.setdefault(ckpt.parent, {})[ckpt.tail] = ckpt
+        ckpt = Checkpoint(slot, parent, tail, position, next(self._clock))
+        self._by_parent.setdefault(parent, {})[tail] = ckpt
         self._count += 1
         self.stats.published += 1
         return ckpt

@@ -135,7 +135,7 @@ class PrefixIndex:
         best, best_len = None, 0
         want = tokens[pos:min(pos + ps, limit)]
         for node in self._children.get(key, ()):
-            n = _common_prefix(node.tokens, want)
+            n = common_prefix(node.tokens, want)
             if n > best_len:
                 best, best_len = node, n
         if best is not None:
@@ -286,7 +286,8 @@ class PrefixIndex:
         return [n.page for nodes in self._children.values() for n in nodes]
 
 
-def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    """How many leading token ids `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flare.state.admission import Outcome
-from flare.state.prefix_index import page_key
+from flare.state.prefix_index import common_prefix, page_key
 
 if TYPE_CHECKING:
     from flare.state.admission import CostPolicy
@@ -386,7 +386,7 @@ class TierStore:
         want = tokens[pos:min(pos + ps, limit)]
         best, best_n = None, 0
         for key, tail, _, tier in self._children(parent, TAIL):
-            n = _common(tail, want)
+            n = common_prefix(tail, want)
             if n > best_n:
                 best, best_n = _Part(key, TAIL, parent, tail, pos + n, tier), n
         if best is not None:
@@ -597,11 +597,3 @@ class TierStore:
             out["transfer_pending"] = self.transfers.num_pending
         return out
 
-
-def _common(a: tuple[int, ...], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

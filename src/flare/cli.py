@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder of the disk tier of conversation states, kept across "
                             "restarts (default with --embedded: CACHE_DIR/state; otherwise "
                             "none)")
+    serve.add_argument("--max-pinned-pages", type=_non_negative_int, default=None,
+                       help="most KV pages the named sessions' latest states may pin on the "
+                            "device together (default: a quarter of the pool; 400 beyond)")
     serve.add_argument("--save-state-on-shutdown", action="store_true",
                        help="at SIGTERM/SIGINT, write every cached conversation state to "
                             "the disk tier so the next start restores it (needs a state "
@@ -241,6 +244,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           state_dir=str(state_dir) if state_dir else None,
           restore_cost_factor=args.restore_cost_factor,
           save_state_on_shutdown=args.save_state_on_shutdown,
+          max_pinned_pages=args.max_pinned_pages,
           shutdown_timeout_s=args.shutdown_timeout)
     return 0
 

@@ -68,7 +68,9 @@ def test_saved_session_survives_sigkill_and_restores_equal_to_recompute(
         off = httpx.post(second.url + "/v1/state/offload", json={"to": "disk"}, timeout=60)
         assert off.status_code == 200, off.text
         assert off.json()["pages_released"] > 0
-        assert metric(second.url, "flare_prefix_cache_pages") == 0
+        # only the pinned session's pages stay on the device
+        assert 0 < metric(second.url, "flare_prefix_cache_pages") <= metric(
+            second.url, "flare_session_pinned_pages")
     finally:
         second.stop()
 

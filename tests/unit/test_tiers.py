@@ -44,9 +44,9 @@ def tiny(tiny_qwen3_dir):
     return load_checkpoint(tiny_qwen3_dir)
 
 
-def make_engine(ckpt, namespace: str = "pkg-a", **kw) -> Engine:
+def make_engine(ckpt, namespace: str = "pkg-a", num_pages: int | None = None, **kw) -> Engine:
     plan = make_plan(ckpt.config, max_seq_len=512, max_num_seqs=4, max_batch_tokens=128,
-                     page_size=PAGE)
+                     page_size=PAGE, num_pages=num_pages)
     return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer, namespace=namespace, **kw)
 
 

@@ -43,7 +43,7 @@ from flare.state.checkpoints import CheckpointIndex
 from flare.state.disk_tier import DiskTier
 from flare.state.pools import KVCache, PagePool
 from flare.state.prefix_index import PrefixIndex
-from flare.state.sessions import SessionRegistry
+from flare.state.sessions import SessionPins, SessionRegistry
 from flare.state.slots import StateSlotPool
 from flare.state.tiers import TierStore
 from flare.state.transfer import TransferQueue
@@ -52,7 +52,14 @@ log = logging.getLogger(__name__)
 
 
 class RequestRejected(ValueError):
-    """A request the engine cannot serve (empty prompt, prompt beyond the plan)."""
+    """A request the engine cannot serve (empty prompt, prompt beyond the plan, a session
+    over its pinning budget); `param` and `code` name the field and the reason for an
+    API error when known."""
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass
@@ -97,6 +104,8 @@ class Engine:
         host_tier_bytes, disk_tier_bytes: overrides of the plan's tier budgets (bytes).
         max_pending_transfers: most host<->disk transfer tickets queued at once (more:
             EnqueueRejected).
+        max_pinned_pages: most KV pages the named sessions' latest states may pin on the
+            device together (default: a quarter of the pool).
 
     Raises:
         ValueError: the plan cannot hold one sequence of `max_seq_len` tokens, or has
@@ -110,7 +119,8 @@ class Engine:
                  prefix_cache: bool = True, cost_policy: CostPolicy | None = None,
                  checkpoint_interval: int | None = None,
                  state_dir: str | Path | None = None, host_tier_bytes: int | None = None,
-                 disk_tier_bytes: int | None = None, max_pending_transfers: int = 16) -> None:
+                 disk_tier_bytes: int | None = None, max_pending_transfers: int = 16,
+                 max_pinned_pages: int | None = None) -> None:
         if plan.num_pages < plan.pages_per_seq:
             raise ValueError(
                 f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
@@ -153,6 +163,8 @@ class Engine:
         self._reuse = reuse
         self._wake = threading.Condition()
         self.sessions = SessionRegistry(Path(state_dir) if state_dir else None, namespace)
+        self.pins = SessionPins(self.pool, plan.num_pages // 4 if max_pinned_pages is None
+                                else max_pinned_pages, self.checkpoints)
         self.tiers: TierStore | None = None
         if reuse is not None:
             self.tiers = self._make_tiers(
@@ -269,6 +281,36 @@ class Engine:
             self.tiers.submit_writes()
         return freed
 
+    def check_session_budget(self, name: str, num_tokens: int) -> None:
+        """Refuse a request naming session `name` whose state of up to `num_tokens` tokens
+        could not be pinned within the budget (any thread; reads a counter).
+
+        Raises:
+            RequestRejected: naming the pages it needs, those pinned, and the budget.
+        """
+        need = -(-num_tokens // self.plan.page_size)
+        if not self.pins.fits(name, need):
+            raise RequestRejected(
+                f"session {name!r} would pin up to {need} KV pages; {self.pins.pinned_pages} "
+                f"of the {self.pins.budget_pages} pages sessions may pin are in use (delete "
+                f"a session with DELETE /v1/sessions/NAME)", param="session",
+                code="session_budget_exceeded")
+
+    def _keep_session(self, seq: Sequence) -> None:
+        """At a finish: the session's latest state is `seq`'s computed tokens; pin its
+        pages (and its end checkpoint) on the device, within the budget."""
+        name, n, ps = seq.request.session, seq.num_computed, self.plan.page_size
+        self.sessions.record(name, seq.token_ids[:n])
+        ckpt = None
+        if self.checkpoints is not None and self.prefix_index is not None:
+            full = n // ps
+            if len(seq.page_keys) >= full:
+                parent = seq.page_keys[full - 1] if full else self.prefix_index.root
+                ckpt = self.checkpoints.get(parent, tuple(seq.token_ids[full * ps:n]))
+        if not self.pins.pin(name, seq.pages[:-(-n // ps)], ckpt):
+            log.info("session %s not pinned: over the budget of %d pages", name,
+                     self.pins.budget_pages)
+
     def save_session(self, name: str) -> tuple[Any, int]:
         """Engine thread only (`call`): write session `name`'s state to the disk tier.
         Returns (write ticket or None, positions covered).
@@ -340,12 +382,14 @@ class Engine:
             "checkpoints_evicted_total":
                 self.checkpoints.stats.evicted if self.checkpoints else 0,
             **self.reuse_counters.as_stats(),
+            "session_pinned_pages": self.pins.pinned_pages,
+            "session_pinned_budget_pages": self.pins.budget_pages,
             **(self.tiers.as_stats() if self.tiers is not None else {}),
         }
 
     def check_integrity(self) -> None:
         """Assert that every page's refcount equals its holders: the sequences whose page
-        table lists it plus the prefix index; that every allocated state slot has exactly
+        table lists it, the prefix index and the session pins; that every allocated state slot has exactly
         one holder: a running sequence or a checkpoint (waiting and finished sequences hold
         none); and the pools' and indexes' own invariants.
 
@@ -361,6 +405,8 @@ class Engine:
             self.prefix_index.check_integrity()
             for p in self.prefix_index.held_pages():
                 holders[p] += 1
+        for p in self.pins.held_pages():
+            holders[p] += 1
         for p, n in enumerate(holders):
             assert self.pool.refcount(p) == n, (
                 f"page {p}: refcount {self.pool.refcount(p)}, holders {n}")
@@ -659,7 +705,7 @@ class Engine:
             self._publish_tail(seq)
             self._checkpoint(seq)  # end of generation: the state at num_computed
             if seq.request.session is not None and reason != "abort":
-                self.sessions.record(seq.request.session, seq.token_ids[:seq.num_computed])
+                self._keep_session(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         seq.finish_reason = reason  # type: ignore[assignment]

@@ -316,6 +316,16 @@ def create_app(
         requested = req.requested_max_tokens
         return remaining if requested is None else min(requested, remaining)
 
+    def check_session(req: ChatCompletionRequest | CompletionRequest, num_tokens: int) -> None:
+        """A named session must be able to pin its state (docs/api-extensions.md)."""
+        core = getattr(engine, "engine", None)
+        if req.session is None or not hasattr(core, "check_session_budget"):
+            return
+        try:
+            core.check_session_budget(req.session, num_tokens)
+        except RequestRejected as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+
     def check_n(n: int) -> None:
         if n > settings.max_n:
             raise ApiError(400, f"n is {n}; this server allows at most {settings.max_n}.",
@@ -382,6 +392,7 @@ def create_app(
         when the reply may hold tool calls."""
         param = "messages" if kind == "chat" else "prompt"
         max_tokens = completion_budget(req, len(prompt_ids), param)
+        check_session(req, len(prompt_ids) + max_tokens)
         response_id = _new_id("chatcmpl" if kind == "chat" else "cmpl")
         created = int(time.time())
         streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns,
@@ -521,7 +532,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", *, prefix_cache: bool = True,
           shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
           restore_cost_factor: float = 0.5, save_state_on_shutdown: bool = False,
-          **settings: Any) -> None:
+          max_pinned_pages: int | None = None, **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
@@ -540,6 +551,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
             is below this factor x the estimated prefill time it saves (speeds measured by
             prepare, manifest tuning).
         save_state_on_shutdown: at exit, write every cached state to the disk tier.
+        max_pinned_pages: most KV pages named sessions may pin (None: a quarter of the pool).
         **settings: `ServerSettings` fields.
 
     Raises:
@@ -558,7 +570,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
     package = load_package(package_path)
     policy = cost_policy_from_tuning(package.manifest.tuning, restore_cost_factor)
     engine = Engine.from_package(package, prefix_cache=prefix_cache, cost_policy=policy,
-                                 state_dir=state_dir)
+                                 state_dir=state_dir, max_pinned_pages=max_pinned_pages)
     engine.save_state_on_stop = save_state_on_shutdown
 
     async def main() -> None:

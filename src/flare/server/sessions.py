@@ -1,7 +1,7 @@
 """HTTP routes of named sessions (`flare.state.sessions`; docs/api-extensions.md).
 
     GET    /v1/sessions/{name}        the session: tokens held, tokens saved to disk
-    DELETE /v1/sessions/{name}        forget the name (its cached state ages out as usual)
+    DELETE /v1/sessions/{name}        forget the name and unpin its state (it then ages out)
     POST   /v1/sessions/{name}/fork   {"id": NEW}: NEW starts from the same state
     POST   /v1/sessions/{name}/save   write the state to the disk tier (survives a restart)
     POST   /v1/state/offload          {"to": "host" | "disk"}: move every cached state no
@@ -56,7 +56,8 @@ def sessions_router(engine: Any) -> APIRouter:
             s = core.sessions.get(name)
         except SessionError as exc:
             raise _session_error(exc) from None
-        return _body(name, len(s.tokens), s.saved_tokens)
+        return _body(name, len(s.tokens), s.saved_tokens,
+                     pinned_pages=core.pins.pages_of(name))
 
     @router.delete("/v1/sessions/{name}")
     async def delete_session(name: str) -> dict[str, Any]:
@@ -65,6 +66,7 @@ def sessions_router(engine: Any) -> APIRouter:
             core.sessions.delete(name)
         except SessionError as exc:
             raise _session_error(exc) from None
+        await asyncio.wrap_future(core.call(lambda: core.pins.release(name)))
         return {"id": name, "object": "session.deleted", "deleted": True}
 
     @router.post("/v1/sessions/{name}/fork")
@@ -82,7 +84,8 @@ def sessions_router(engine: Any) -> APIRouter:
             s = core.sessions.fork(name, new)
         except SessionError as exc:
             raise _session_error(exc) from None
-        return _body(new, len(s.tokens), s.saved_tokens, forked_from=name)
+        pinned = await asyncio.wrap_future(core.call(lambda: core.pins.fork(name, new)))
+        return _body(new, len(s.tokens), s.saved_tokens, forked_from=name, pinned=pinned)
 
     @router.post("/v1/sessions/{name}/save")
     async def save_session(name: str) -> dict[str, Any]:

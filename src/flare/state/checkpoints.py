@@ -129,6 +129,10 @@ class CheckpointIndex:
         return self._fill(parent, tail, position,
                           lambda slot: self.states.write(slot, tensors))
 
+    def get(self, parent: bytes, tail: tuple[int, ...]) -> Checkpoint | None:
+        """The listed checkpoint at `parent`'s pages plus `tail`, or None (not touched)."""
+        return self._by_parent.get(parent, {}).get(tail)
+
     def _existing(self, parent: bytes, tail: tuple[int, ...]) -> Checkpoint | None:
         """The listed checkpoint under this key, touched (LRU), or None."""
         ckpt = self._by_parent.get(parent, {}).get(tail)

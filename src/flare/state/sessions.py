@@ -7,6 +7,8 @@ last sampled token). The name then lets a client:
 - save that state to the disk tier (`POST /v1/sessions/NAME/save`), so it survives a
   restart; the next request that resends the conversation restores it through the normal
   lookup (the state is found by its tokens, never by the name);
+- keep it on the device: its pages (and checkpoint) are pinned (`SessionPins`), within a
+  budget of pages; a request that would pin past it is refused;
 - fork it (`POST /v1/sessions/NAME/fork`): the new name starts from the same state, which
   shares its pages by reference (a branch copies nothing until it writes);
 - read or forget it (`GET` / `DELETE /v1/sessions/NAME`).
@@ -25,6 +27,11 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flare.state.checkpoints import Checkpoint, CheckpointIndex
+    from flare.state.pools import PagePool
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FORMAT_VERSION = 1
@@ -160,3 +167,70 @@ class SessionRegistry:
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
+
+
+class SessionPins:
+    """Device pages (and, for hybrid recipes, the checkpoint) of each named session's
+    latest state, held so eviction cannot take them, within a budget of pages.
+
+    A pin is one more holder of each page (a reference in the `PagePool`) and a pin on the
+    checkpoint; the prefix index evicts only pages nobody else holds, so a pinned state
+    stays on the device until the session is deleted or moves on. Engine thread only,
+    except `pinned_pages`, a plain int other threads may read.
+
+    Args:
+        pool: the KV page pool.
+        budget_pages: most pages pinned by all sessions together.
+        checkpoints: hybrid recipes: the checkpoint index (None for KV-only).
+    """
+
+    def __init__(self, pool: "PagePool", budget_pages: int,
+                 checkpoints: "CheckpointIndex | None" = None) -> None:
+        self.pool, self.budget_pages, self.checkpoints = pool, budget_pages, checkpoints
+        self._pins: dict[str, tuple[list[int], "Checkpoint | None"]] = {}
+        self.pinned_pages = 0
+
+    def pages_of(self, name: str) -> int:
+        pin = self._pins.get(name)
+        return len(pin[0]) if pin else 0
+
+    def fits(self, name: str, num_pages: int) -> bool:
+        """Whether session `name` may pin `num_pages` pages (its current pin replaced)."""
+        return self.pinned_pages - self.pages_of(name) + num_pages <= self.budget_pages
+
+    def pin(self, name: str, pages: list[int], ckpt: "Checkpoint | None" = None) -> bool:
+        """Pin `pages` (held by the caller now) and `ckpt` as `name`'s state, replacing
+        its previous pin. Returns False, pinning nothing new and releasing the old pin,
+        when that would exceed the budget (the state then ages out as any other)."""
+        self.release(name)
+        if not self.fits(name, len(pages)):
+            return False
+        self.pool.incref(pages)
+        if ckpt is not None:
+            self.checkpoints.pin(ckpt)
+        self._pins[name] = (list(pages), ckpt)
+        self.pinned_pages += len(pages)
+        return True
+
+    def fork(self, name: str, new: str) -> bool:
+        """Pin `name`'s state for `new` too (no copy). False: nothing pinned, or over budget."""
+        pin = self._pins.get(name)
+        return pin is not None and self.pin(new, pin[0], pin[1])
+
+    def release(self, name: str) -> None:
+        """Let go of `name`'s pin (nothing when it has none)."""
+        pin = self._pins.pop(name, None)
+        if pin is None:
+            return
+        pages, ckpt = pin
+        self.pinned_pages -= len(pages)
+        self.pool.release(pages)
+        if ckpt is not None:
+            self.checkpoints.unpin(ckpt)
+
+    def held_pages(self) -> list[int]:
+        """Every pinned page, once per pin (for the engine's accounting check)."""
+        return [p for pages, _ in self._pins.values() for p in pages]
+
+    def held_checkpoints(self) -> list["Checkpoint"]:
+        return [c for _, c in self._pins.values() if c is not None]

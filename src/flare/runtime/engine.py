@@ -365,6 +365,8 @@ class Engine:
             "pages_used": self.pool.num_used,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": c.prompt_tokens_total,
+            # prompt tokens by source: reused from a cache (the host and disk parts, restored
+            # into the device first, are also in prompt_tokens_cached_host/disk_total)
             "prompt_tokens_cached_device_total": self.reuse_counters.reused_tokens,
             "generation_tokens_total": c.generation_tokens_total,
             "requests_finished_total": c.requests_finished_total,

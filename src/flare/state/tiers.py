@@ -203,6 +203,8 @@ class TierStats:
     restores_host: int = 0
     restores_disk: int = 0
     restored_tokens: int = 0
+    restored_tokens_host: int = 0  # prompt tokens a restore from the host tier supplied
+    restored_tokens_disk: int = 0
     dropped_records: int = 0  # pushed out of the host tier with no disk tier (or queue full)
     restore_failures: int = 0
 
@@ -501,8 +503,10 @@ class TierStore:
         self.stats.restored_tokens += gain
         if tier == "disk":
             self.stats.restores_disk += 1
+            self.stats.restored_tokens_disk += gain
         else:
             self.stats.restores_host += 1
+            self.stats.restored_tokens_host += gain
         return PromoteResult(held=tuple(held), promoted_tokens=gain, tier=tier)
 
     def _done(self, held: list[int], outcome: Outcome | None = None,
@@ -583,6 +587,8 @@ class TierStore:
             "tier_restores_host_total": s.restores_host,
             "tier_restores_disk_total": s.restores_disk,
             "tier_restored_tokens_total": s.restored_tokens,
+            "prompt_tokens_cached_host_total": s.restored_tokens_host,
+            "prompt_tokens_cached_disk_total": s.restored_tokens_disk,
             "tier_dropped_records_total": s.dropped_records,
             "tier_restore_failures_total": s.restore_failures,
         }

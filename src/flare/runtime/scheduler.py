@@ -9,7 +9,8 @@ recomputed later from its tokens, reusing what the prefix index still holds), so
 requests always make progress.
 
 On admission a sequence adopts the longest cached prefix of its tokens (`DeviceReuse`), so
-its prefill starts where the cache ends.
+its prefill starts where the cache ends. A waiting sequence whose prefix another sequence
+is prefilling right now waits for those pages instead of computing them too.
 
 Hybrid recipes: a running sequence also holds one state slot (`StateSlotPool`), taken zeroed
 at admission (a reused endpoint's checkpoint is copied into it) and given back when it
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from flare.runtime.sequence import Sequence, SeqStatus
 from flare.state.admission import DeviceReuse
 from flare.state.pools import PagePool, PoolExhausted
+from flare.state.prefix_index import common_prefix
 from flare.state.slots import StateSlotPool
 
 
@@ -164,6 +166,8 @@ class Scheduler:
                 break
             if seq.ticket is not None and not seq.ticket.done.is_set():
                 continue  # its state is on its way from disk; the others go on
+            if self._follows_a_prefill(seq):
+                continue  # a running prefill is computing its prefix: adopt it after
             self._take_slot(seq)
             if seq.needs_lookup and self.reuse is not None:
                 if not self._adopt_cached_prefix(seq):
@@ -183,6 +187,22 @@ class Scheduler:
             prefills.append(ScheduledChunk(seq, n))
             budget -= n
         return decodes + prefills
+
+    def _follows_a_prefill(self, seq: Sequence) -> bool:
+        """Whether a running sequence is prefilling a prefix of `seq`'s tokens that it has
+        not computed yet (at least one more page): then `seq` waits and adopts those pages
+        once published, instead of computing the same prefix alongside (case
+        state-concurrent-same-prefix; `n > 1` choices share their prompt this way)."""
+        if self.reuse is None or not seq.needs_lookup or seq.num_prompt_tokens <= self.page_size:
+            return False
+        ps, tokens = self.page_size, seq.token_ids
+        for r in self.running:
+            if not r.is_prefilling or r.token_ids[:ps] != tokens[:ps]:
+                continue
+            shared = common_prefix(tuple(r.token_ids[:r.num_prompt_tokens]), tokens)
+            if shared >= r.num_computed + ps:
+                return True
+        return False
 
     @property
     def waiting_on_transfers(self) -> bool:

@@ -49,15 +49,35 @@ def test_fork_and_delete(tmp_path):
 
 def test_a_new_state_that_diverges_before_the_saved_part_is_no_longer_saved():
     reg = SessionRegistry(None, "pkg")
-    reg.mark_saved("s", [1, 2, 3, 4], 4)
+    reg.record("s", [1, 2, 3, 4])
+    assert reg.mark_saved("s", [1, 2, 3, 4], 4)
     reg.record("s", [1, 2, 3, 4, 5])
     assert reg.get("s").saved_tokens == 4
     reg.record("s", [1, 9])
     assert reg.get("s").saved_tokens == 0
 
 
-def test_a_damaged_file_starts_empty(tmp_path):
+@pytest.mark.parametrize("body", ["{not json", "[]", '{"format": 1, "namespace": "pkg", '
+                                  '"sessions": [1]}', '{"format": 1, "namespace": "pkg", '
+                                  '"sessions": {"s": {"tokens": ["x"], "saved_tokens": 1}}}',
+                                  '{"format": 1, "namespace": "pkg", "sessions": {"s": '
+                                  '{"tokens": [1], "saved_tokens": null}}}'])
+def test_a_damaged_or_malformed_file_starts_empty(tmp_path, body):
     reg = SessionRegistry(tmp_path, "pkg")
+    reg.record("s", [1])
     reg.mark_saved("s", [1], 1)
-    reg.path.write_text("{not json")
+    reg.path.write_text(body)
     assert len(SessionRegistry(tmp_path, "pkg")) == 0
+
+
+def test_a_save_never_resurrects_a_deleted_session_nor_overwrites_a_newer_state():
+    reg = SessionRegistry(None, "pkg")
+    reg.record("gone", [1, 2])
+    reg.delete("gone")
+    assert not reg.mark_saved("gone", [1, 2], 2)
+    with pytest.raises(SessionError):
+        reg.get("gone")
+    reg.record("moved", [1, 2, 3])
+    reg.record("moved", [7])  # a request on the session finished during the save
+    assert not reg.mark_saved("moved", [1, 2, 3], 3)
+    assert reg.get("moved").tokens == [7] and reg.get("moved").saved_tokens == 0

@@ -44,6 +44,11 @@ class AsyncEngine:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests the engine has not started yet (cheap: the request guard reads it)."""
+        return self.engine.num_waiting
+
     def _on_output(self, out: RequestOutput) -> None:
         # called on the engine thread
         queue = self._queues.get(out.request_id)

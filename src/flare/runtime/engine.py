@@ -43,7 +43,7 @@ from flare.state.checkpoints import CheckpointIndex
 from flare.state.disk_tier import DiskTier
 from flare.state.pools import KVCache, PagePool
 from flare.state.prefix_index import PrefixIndex
-from flare.state.sessions import SessionPins, SessionRegistry
+from flare.state.sessions import MAX_SESSIONS, SessionPins, SessionRegistry
 from flare.state.slots import StateSlotPool
 from flare.state.tiers import TierStore
 from flare.state.transfer import TransferQueue
@@ -162,7 +162,6 @@ class Engine:
         self.checkpoint_interval = interval if self.checkpoints is not None else 0
         self._reuse = reuse
         self._wake = threading.Condition()
-        self.sessions = SessionRegistry(Path(state_dir) if state_dir else None, namespace)
         self.pins = SessionPins(self.pool, plan.num_pages // 4 if max_pinned_pages is None
                                 else max_pinned_pages, self.checkpoints)
         self.tiers: TierStore | None = None
@@ -172,6 +171,10 @@ class Engine:
                 plan.host_tier_bytes if host_tier_bytes is None else host_tier_bytes,
                 plan.disk_tier_bytes if disk_tier_bytes is None else disk_tier_bytes,
                 max_pending_transfers)
+        # saved session names live beside the disk tier, under its folder lock; without a
+        # disk tier nothing is saved, so nothing is written there
+        has_disk = self.tiers is not None and self.tiers.disk is not None
+        self.sessions = SessionRegistry(Path(state_dir) if has_disk else None, namespace)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
                                    plan.max_batch_tokens, reuse, self.states,
                                    self.checkpoint_interval)
@@ -289,6 +292,11 @@ class Engine:
             RequestRejected: naming the pages it needs, those pinned, and the budget.
         """
         need = -(-num_tokens // self.plan.page_size)
+        if not self.sessions.has_room(name):
+            raise RequestRejected(
+                f"session {name!r} would be a new session, and {MAX_SESSIONS} exist already "
+                f"(delete one with DELETE /v1/sessions/NAME)", param="session",
+                code="too_many_sessions")
         if not self.pins.fits(name, need):
             raise RequestRejected(
                 f"session {name!r} would pin up to {need} KV pages; {self.pins.pinned_pages} "
@@ -320,7 +328,8 @@ class Engine:
         """
         tokens = self.sessions.get(name).tokens
         if self.tiers is None or self.tiers.transfers is None:
-            raise ValueError("this server has no disk tier (serve with --state-dir)")
+            raise ValueError("this server has no disk tier (it needs --state-dir, a disk "
+                             "tier budget above 0 and the prefix cache on)")
         return self.tiers.save(tokens)
 
     def start(self) -> None:
@@ -353,6 +362,11 @@ class Engine:
         self.tiers = self._reuse.tiers = self._reuse.index.on_evict = None
         if self.checkpoints is not None:
             self.checkpoints.on_evict = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not yet running (any thread; no locks taken)."""
+        return len(self.scheduler.waiting) + len(self._inbox)
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy, queue lengths and counters (a snapshot; ints)."""
@@ -753,10 +767,15 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
         A `DecodeGroup` whose gather is int64 [B, M] (contiguous), M = max(lengths): the
         cache slots of positions 0..M-1; rows of shorter sequences point at slots of page 0
         past their length, and `mask` ([B, 1, 1, M], True = attend) hides them (None when
-        every length is M).
+        every length is M). For one sequence on consecutive pages, `span` is its first
+        slot (attention reads K/V without a gather).
     """
     b, m = len(lengths), max(lengths)
     n = -(-m // page_size)  # pages of the longest sequence
+    span = None
+    if b == 1 and pages[0][n - 1] - pages[0][0] == n - 1 and (
+            pages[0][:n] == list(range(pages[0][0], pages[0][0] + n))):
+        span = pages[0][0] * page_size
     table = torch.tensor([p[:n] + [0] * (n - len(p[:n])) for p in pages], dtype=torch.int64)
     offsets = torch.arange(page_size, dtype=torch.int64)
     gather = (table[:, :, None] * page_size + offsets).view(b, n * page_size)[:, :m]
@@ -765,4 +784,4 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
         lens = torch.tensor(lengths, dtype=torch.int64)
         mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
     slots = torch.tensor(state_slots, dtype=torch.int64) if state_slots is not None else None
-    return DecodeGroup(b, gather.contiguous(), mask, slots)
+    return DecodeGroup(b, gather.contiguous(), mask, slots, span)

@@ -264,7 +264,8 @@ def create_app(
     app.add_middleware(RequestGuard, api_key=settings.api_key,
                        max_body_bytes=settings.max_body_bytes,
                        protect_metrics=settings.protect_metrics,
-                       queue_length=lambda: engine.stats().get("num_waiting", 0),
+                       queue_length=lambda: (engine.num_waiting if hasattr(engine, "num_waiting")
+                                             else engine.stats().get("num_waiting", 0)),
                        max_queue=settings.max_queue, counters=counters)
     app.state.engine = engine
     app.include_router(sessions_router(engine))

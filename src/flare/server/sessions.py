@@ -8,7 +8,9 @@
                                       request uses out of the device pools
 
 Errors are OpenAI-style bodies: 400 for a bad name or body, 404 for an unknown session,
-409 when a fork target exists, 503 when the server has no disk tier or the write failed.
+409 when a fork target exists (or the session changed during a save), 503 when the server
+has no disk tier, the save was refused (too big for the disk tier, queue full), a write
+failed, or the state folder cannot be written.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi import APIRouter, Request
 
 from flare.server.protocol import ApiError
 from flare.state.sessions import SessionError
+from flare.state.tiers import SaveRefused
 
 SAVE_TIMEOUT_S = 120.0
 
@@ -30,6 +33,11 @@ def _session_error(exc: SessionError) -> ApiError:
     if "already exists" in str(exc):
         return ApiError(409, str(exc), param="id", code="session_exists")
     return ApiError(400, str(exc), param="session", code="invalid_session_name")
+
+
+def _unwritable(exc: OSError) -> ApiError:
+    return ApiError(503, f"the state folder cannot be written: {exc}", type="server_error",
+                    code="state_folder_unwritable")
 
 
 def _body(name: str, tokens: int, saved: int, **extra: Any) -> dict[str, Any]:
@@ -63,9 +71,11 @@ def sessions_router(engine: Any) -> APIRouter:
     async def delete_session(name: str) -> dict[str, Any]:
         core = engine_core()
         try:
-            core.sessions.delete(name)
+            await asyncio.to_thread(core.sessions.delete, name)  # rewrites the saved names
         except SessionError as exc:
             raise _session_error(exc) from None
+        except OSError as exc:
+            raise _unwritable(exc) from None
         await asyncio.wrap_future(core.call(lambda: core.pins.release(name)))
         return {"id": name, "object": "session.deleted", "deleted": True}
 
@@ -81,9 +91,11 @@ def sessions_router(engine: Any) -> APIRouter:
         if not isinstance(new, str):
             raise ApiError(400, "'id' (the new session's name) is required", param="id")
         try:
-            s = core.sessions.fork(name, new)
+            s = await asyncio.to_thread(core.sessions.fork, name, new)
         except SessionError as exc:
             raise _session_error(exc) from None
+        except OSError as exc:
+            raise _unwritable(exc) from None
         pinned = await asyncio.wrap_future(core.call(lambda: core.pins.fork(name, new)))
         return _body(new, len(s.tokens), s.saved_tokens, forked_from=name, pinned=pinned)
 
@@ -95,6 +107,9 @@ def sessions_router(engine: Any) -> APIRouter:
             ticket, covered = await asyncio.wrap_future(core.call(lambda: core.save_session(name)))
         except SessionError as exc:
             raise _session_error(exc) from None
+        except SaveRefused as exc:
+            raise ApiError(503, f"saving session {name!r} failed: {exc}", type="server_error",
+                           code="save_failed") from None
         except ValueError as exc:
             raise ApiError(503, str(exc), type="server_error", code="no_disk_tier") from None
         if ticket is not None:
@@ -103,7 +118,14 @@ def sessions_router(engine: Any) -> APIRouter:
                 raise ApiError(503, f"saving session {name!r} failed: "
                                     f"{ticket.error or 'the disk tier refused a record'}",
                                type="server_error", code="save_failed")
-        core.sessions.mark_saved(name, tokens, covered)
+        try:
+            marked = await asyncio.to_thread(core.sessions.mark_saved, name, tokens, covered)
+        except OSError as exc:
+            raise _unwritable(exc) from None
+        if not marked:  # deleted, or moved on to another state, while it was written
+            raise ApiError(409, f"session {name!r} was deleted or changed during the save; "
+                                f"its state was written but not marked saved",
+                           code="session_changed")
         return _body(name, len(tokens), covered,
                      records_written=ticket.written if ticket is not None else 0)
 
@@ -127,8 +149,11 @@ def sessions_router(engine: Any) -> APIRouter:
         pages = await asyncio.wrap_future(core.call(core.offload))
         written = 0
         if to == "disk":
-            written = await asyncio.wrap_future(core.call(lambda: core.tiers.flush(0)))
+            stats = core.tiers.transfers.stats
+            before = stats.records_written
+            await asyncio.wrap_future(core.call(lambda: core.tiers.flush(0)))
             await asyncio.to_thread(core.tiers.transfers.wait_idle, SAVE_TIMEOUT_S)
+            written = stats.records_written - before  # written now, not merely handed over
         return {"object": "state.offload", "to": to, "pages_released": pages,
                 "records_written": written}
 

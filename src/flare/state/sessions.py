@@ -21,6 +21,7 @@ folder, written atomically (temporary file, fsync, rename).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FORMAT_VERSION = 1
+MAX_SESSIONS = 1024  # names held at once: each persisted one costs bytes in every rewrite
+
+log = logging.getLogger(__name__)
 
 
 class SessionError(ValueError):
@@ -89,6 +93,11 @@ class SessionRegistry:
             self.path = Path(folder) / f"sessions-{digest}.json"
             self._load()
 
+    def has_room(self, name: str) -> bool:
+        """Whether `name` exists or a new session may still be named (`MAX_SESSIONS`)."""
+        with self._lock:
+            return name in self._sessions or len(self._sessions) < MAX_SESSIONS
+
     def record(self, name: str, tokens: list[int]) -> None:
         """The session's latest state is now `tokens` (engine thread, at a finish)."""
         with self._lock:
@@ -113,6 +122,8 @@ class SessionRegistry:
         with self._lock:
             if new in self._sessions:
                 raise SessionError(f"session {new!r} already exists")
+            if len(self._sessions) >= MAX_SESSIONS:
+                raise SessionError(f"{MAX_SESSIONS} sessions exist already: delete one first")
             self._sessions[new] = Session(src.tokens, src.saved_tokens)
         self._persist()
         return src
@@ -124,11 +135,17 @@ class SessionRegistry:
             self._sessions.pop(name, None)
         self._persist()
 
-    def mark_saved(self, name: str, tokens: list[int], saved_tokens: int) -> None:
-        """Record that `saved_tokens` positions of `tokens` are on disk, and persist."""
+    def mark_saved(self, name: str, tokens: list[int], saved_tokens: int) -> bool:
+        """Record that `saved_tokens` positions of `tokens` are on disk, and persist.
+        A session deleted meanwhile stays deleted, and one that moved on keeps its newer
+        tokens (saved only if they extend what was written). Returns whether it is marked."""
         with self._lock:
-            self._sessions[name] = Session(list(tokens), saved_tokens)
+            cur = self._sessions.get(name)
+            if cur is None or cur.tokens[:saved_tokens] != list(tokens[:saved_tokens]):
+                return False
+            cur.saved_tokens = saved_tokens
         self._persist()
+        return True
 
     def __len__(self) -> int:
         with self._lock:
@@ -137,16 +154,24 @@ class SessionRegistry:
     # ---- persistence --------------------------------------------------------------------
 
     def _load(self) -> None:
+        """Read the saved sessions; a file that is missing, damaged or of another shape
+        or package is ignored whole (logged), never half-read."""
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return  # no file yet, or a damaged one: start empty rather than half-read
-        if data.get("format") != FORMAT_VERSION or data.get("namespace") != self.namespace:
+        except FileNotFoundError:
             return
-        for name, s in data.get("sessions", {}).items():
-            if SESSION_NAME.fullmatch(name) and isinstance(s.get("tokens"), list):
-                self._sessions[name] = Session([int(t) for t in s["tokens"]],
-                                               int(s.get("saved_tokens", 0)))
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable sessions file %s: %s", self.path, exc)
+            return
+        try:
+            if data["format"] != FORMAT_VERSION or data["namespace"] != self.namespace:
+                return
+            loaded = {name: Session([int(t) for t in s["tokens"]], int(s["saved_tokens"]))
+                      for name, s in data["sessions"].items() if SESSION_NAME.fullmatch(name)}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.warning("ignoring malformed sessions file %s: %r", self.path, exc)
+            return
+        self._sessions.update(dict(list(loaded.items())[:MAX_SESSIONS]))
 
     def _persist(self) -> None:
         """Write the saved sessions (those with saved_tokens > 0) atomically."""

@@ -160,6 +160,10 @@ class HostTier:
         return [self._pop_oldest() for _ in range(len(self._records))]
 
 
+class SaveRefused(RuntimeError):
+    """A state cannot be written to the disk tier now (too big for it, queue full)."""
+
+
 @dataclass(frozen=True)
 class _Part:
     """One record a restore needs: where it is and what it covers."""
@@ -207,6 +211,7 @@ class TierStats:
     restored_tokens_disk: int = 0
     dropped_records: int = 0  # pushed out of the host tier with no disk tier (or queue full)
     restore_failures: int = 0
+    disk_index_errors: int = 0  # the disk tier's index could not be read for stats
 
 
 class TierStore:
@@ -315,7 +320,16 @@ class TierStore:
                 records.append(ckpt)
         if not records:
             return None, pos
-        return self.transfers.write(records), pos
+        size = sum(record_nbytes(r) for r in records)
+        if size > self.disk.budget_bytes:
+            raise SaveRefused(f"the state of {pos} tokens takes {size:,} bytes, more than the "
+                              f"disk tier's budget of {self.disk.budget_bytes:,} bytes")
+        # deepest first: the disk tier evicts least recently written first, so under
+        # pressure it drops the ends of a chain before the pages they hang from
+        ticket = self.transfers.write(records[::-1])
+        if ticket is None:
+            raise SaveRefused("the transfer queue is full; retry shortly")
+        return ticket, pos
 
     def _page_record(self, key: bytes) -> tuple[bool, "StateRecord | None"]:
         """(found, record) of a full page: from the device or the host tier; (True, None)
@@ -593,10 +607,14 @@ class TierStore:
             "tier_restore_failures_total": s.restore_failures,
         }
         if self.disk is not None:
-            out["disk_tier_records"] = len(self.disk)
-            out["disk_tier_bytes"] = self.disk.nbytes
-            out |= self.disk.stats.as_stats() if hasattr(self.disk.stats, "as_stats") \
-                else self.disk.as_stats()
+            try:  # a damaged index must not fail every caller of stats (/metrics, the guard)
+                out["disk_tier_records"] = len(self.disk)
+                out["disk_tier_bytes"] = self.disk.nbytes
+            except Exception:
+                log.exception("disk tier index unreadable")
+                self.stats.disk_index_errors += 1
+            out |= self.disk.as_stats()
+            out["disk_tier_index_errors_total"] = self.stats.disk_index_errors
         if self.transfers is not None:
             t = self.transfers.stats
             out |= {f"transfer_{k}_total": v for k, v in vars(t).items()}

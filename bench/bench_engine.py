@@ -6,6 +6,10 @@ plus peak RSS. Figures, not pass/fail: compare the two columns of one run, never
 numbers from another machine.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--decode-tokens 128]
+        [--weights fp16|full] [--threads N] [--skip-transformers]
+
+Flare runs the weight format a default CPU package stores (`--weights`, see
+flare.models.quant) with the prefix cache off; transformers runs the fp32 weights.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
+from flare.models.quant import convert_tensors
 from flare.prepare.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
@@ -46,6 +51,16 @@ def _run(engine: Engine, reqs: list[GenerationRequest]) -> tuple[float, dict[str
     t0 = time.perf_counter_ns()
     engine.run_until_idle(reqs)
     return t0, {"first": first, "done": done, "counts": counts}
+
+
+def flare_engine(ckpt, weights: str, *, max_seq_len: int = 4096, max_num_seqs: int = 8,
+                 max_batch_tokens: int = 512) -> Engine:
+    """Flare's engine on the checkpoint's weights in format `weights` ("fp16", "full"),
+    prefix cache off (every prompt is computed in full)."""
+    plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                     max_batch_tokens=max_batch_tokens)
+    return Engine(ckpt.config, plan, convert_tensors(ckpt.tensors, weights), ckpt.tokenizer,
+                  prefix_cache=False)
 
 
 def flare_prefill(engine: Engine, ids: list[int]) -> float:
@@ -101,11 +116,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--weights", choices=["fp16", "full"], default="fp16",
+                    help="flare's weight format (default fp16, the CPU package default)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ckpt = load_checkpoint(args.model or embedded_model_path())
-    plan = make_plan(ckpt.config, max_seq_len=4096, max_num_seqs=8, max_batch_tokens=512)
-    engine = Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
+    engine = flare_engine(ckpt, args.weights)
     tok = ckpt.tokenizer
     short = _prompt(tok, 32)
     flare_decode(engine, short, 1, 8)  # warm-up
@@ -127,11 +146,12 @@ def main() -> None:
         theirs = [g(model) for _, _, g in rows]
     rss_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"model: {ckpt.source.get('path', args.model)}  threads: {torch.get_num_threads()}  "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}  flare weights: {args.weights}")
     print(f"{'figure':34} {'flare':>10} {'transformers':>14}")
     for (name, _, _), a, b in zip(rows, ours, theirs):
         print(f"{name:34} {a:10.1f} {'-' if b is None else f'{b:14.1f}'}")
-    print(f"peak RSS after flare runs: {rss_flare:.0f} MB; after transformers too: {rss_all:.0f} MB")
+    print(f"peak RSS after flare runs: {rss_flare:.0f} MB; "
+          f"after transformers too: {rss_all:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 # Bump when the meaning of the prepared weights or plan changes for the runtime
 # (layout of tensors, kernels that read them): an old package is then refused.
-EXECUTION_ABI: int = 1
+# 2: the 2-D weights of a `llama` package may be float16 under a float32 serving dtype
+#    (weight format `fp16`, tuning["weights"]), run by fbgemm's fp16 GEMM.
+EXECUTION_ABI: int = 2
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.
@@ -69,7 +71,8 @@ class Manifest(BaseModel):
         device_class: "cpu" or "cuda:<major>.<minor>" (compute capability).
         plan: `CapacityPlan.to_dict()`.
         memory: `MemoryReport.to_dict()` (bytes).
-        tuning: choices made at prepare time (threads, batch token budget, ...).
+        tuning: choices made at prepare time (threads, batch token budget, weight format
+            "weights": "full" or "fp16" (`flare.models.quant`), ...).
         graph_capture: what serve captures at start-up; {"enabled": False, "reason": ...}
             when nothing.
         flare_version / torch_version: versions that prepared it.

@@ -23,6 +23,7 @@ from flare.contract import (
     payload_id,
 )
 from flare.loading.checkpoint import load_checkpoint
+from flare.models.quant import convert_tensors
 from flare.prepare.package import ensure_package, load_package, prepare_package
 
 SAMPLE = "Reverse a string: <|im_start|>user\ns[::-1] ünï 🙂<|im_end|>"
@@ -147,7 +148,9 @@ def test_recipe_version_mismatch(pkg):
 
 def test_load_round_trip(tiny_qwen3_package, tiny_qwen3_dir):
     loaded = load_package(tiny_qwen3_package)
-    ref = load_file(str(tiny_qwen3_dir / "model.safetensors"))
+    # the package stores the weights in its weight format (fp16 by default on CPU)
+    ref = convert_tensors(load_file(str(tiny_qwen3_dir / "model.safetensors")),
+                          loaded.manifest.tuning["weights"])
     assert set(loaded.tensors) == set(ref)
     for k, v in ref.items():
         assert torch.equal(loaded.tensors[k], v), k
@@ -165,7 +168,7 @@ def test_smollm2_package_round_trip(smollm2_package, embedded_checkpoint):
     assert m.source["format"] == "gguf"
     assert m.plan["max_seq_len"] == 2048 and m.plan["page_size"] == 16
     assert loaded.config == embedded_checkpoint.config
-    for k, v in embedded_checkpoint.tensors.items():
+    for k, v in convert_tensors(embedded_checkpoint.tensors, m.tuning["weights"]).items():
         assert torch.equal(loaded.tensors[k], v), k
     tok, ref = loaded.tokenizer, embedded_checkpoint.tokenizer
     assert tok(SAMPLE).input_ids == ref(SAMPLE).input_ids

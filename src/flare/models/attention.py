@@ -45,12 +45,17 @@ class DecodeGroup:
         mask: bool [B, 1, 1, M] (True = attend), or None when no row is padded.
         state_slots: int64 [B], for hybrid recipes the conv/recurrent state slot of each
             sequence (updated in place by one token); None for KV-only recipes.
+        span: B == 1 only: the first cache slot when the sequence's positions 0..M-1 lie
+            in consecutive slots (its pages are consecutive); attention then reads K/V as
+            a view of the cache, without gathering them (same values, bit for bit).
+            None otherwise.
     """
 
     num_seqs: int
     gather: torch.Tensor
     mask: torch.Tensor | None
     state_slots: torch.Tensor | None = None
+    span: int | None = None
 
 
 @dataclass(frozen=True)
@@ -81,27 +86,41 @@ def paged_attention(
         scale: softmax scale (1/sqrt(D) for these recipes).
 
     Returns:
-        [T, H, D] attention output, same dtype as `q`. H must be a multiple of KVH (GQA).
+        [T, H, D] attention output, same dtype as `q`, possibly not contiguous. H must be
+        a multiple of KVH (GQA).
     """
-    out = torch.empty_like(q)
     dec = batch.decode
+    # a single group covers every token of the step: its output is the result, returned
+    # as it comes (possibly strided), without a copy into `out`
+    out = torch.empty_like(q) if len(batch.prefills) + (dec is not None) > 1 else None
     if dec is not None:
         b = dec.num_seqs
-        k = k_cache[dec.gather].transpose(1, 2)  # [B, KVH, M, D]
-        v = v_cache[dec.gather].transpose(1, 2)
+        m = dec.gather.shape[-1]
+        kvh, d = k_cache.shape[1], q.shape[-1]
+        if dec.span is not None:  # one sequence in consecutive slots: a view, no copy
+            a = dec.span
+            k = k_cache[a:a + m].unsqueeze(0).transpose(1, 2)  # [1, KVH, M, D]
+            v = v_cache[a:a + m].unsqueeze(0).transpose(1, 2)
+        else:  # index_select copies whole rows: several times faster than indexing
+            flat = dec.gather.reshape(-1)
+            k = k_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)  # [B,KVH,M,D]
+            v = v_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
         # one query per sequence: fold each KV head's group of query heads into the query
         # axis ([B, KVH, G, D]), so GQA needs neither repeated K/V nor a GQA kernel
-        kvh, d = k.shape[1], q.shape[-1]
         qd = q[:b].reshape(b, kvh, -1, d)  # [B, KVH, G, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=dec.mask, scale=scale)
+        if out is None:
+            return o.reshape(b, -1, d)
         out[:b] = o.reshape(b, -1, d)
     for chunk in batch.prefills:
         s, t = chunk.start, chunk.length
-        k = k_cache[chunk.gather].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        v = v_cache[chunk.gather].transpose(0, 1).unsqueeze(0)
+        k = k_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)  # [1,KVH,ctx,D]
+        v = v_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)
         qp = q[s:s + t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
         o = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
             enable_gqa=True)
+        if out is None:
+            return o[0].transpose(0, 1)
         out[s:s + t] = o[0].transpose(0, 1)
     return out

@@ -3,8 +3,12 @@
 The math follows transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
 (pre-norm blocks, RoPE with `rotate_half`, GQA, SwiGLU MLP), so greedy tokens match theirs.
 Weights arrive in Hugging Face naming; q/k/v and gate/up are fused once at load so a layer
-is four matmuls. The forward is a plain function of the step's flat token list over a paged
-KV cache: x is [T, hidden] for all T tokens of the step, whatever sequence they belong to.
+is four matmuls, each a `flare.models.quant.Linear` (plain `F.linear`, or fbgemm's fp16
+GEMM for weights a package stores as float16). The forward is a plain function of the
+step's flat token list over a paged KV cache: x is [T, hidden] for all T tokens of the
+step, whatever sequence they belong to. Per layer it runs few tensor operations: one
+RMSNorm kernel, RoPE once over the q and k heads together, K/V written by index, one
+attention call; decode at batch 1 spends most of its time in the matmuls.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch, paged_attention
 from flare.models.config import ModelConfig
+from flare.models.quant import Linear
 from flare.models.weights import tensor_getter
 from flare.state.pools import KVCache
 
@@ -24,14 +29,12 @@ from flare.state.pools import KVCache
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) * D]
-    q_norm: torch.Tensor | None  # [D] (Qwen3)
-    k_norm: torch.Tensor | None  # [D]
-    o_proj: torch.Tensor  # [hidden, H * D]
+    qkv: Linear  # [hidden] -> [(H + 2 KVH) * D], q/k/v fused (with Qwen2's bias)
+    qk_norm: torch.Tensor | None  # [H + KVH, D]: q_norm for q heads, k_norm for k (Qwen3)
+    o_proj: Linear  # [H * D] -> [hidden]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Linear  # [hidden] -> [2 * intermediate], gate/up fused
+    down: Linear  # [intermediate] -> [hidden]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -68,9 +71,14 @@ class LlamaModel:
 
     Args:
         config: model hyper-parameters.
-        tensors: Hugging Face-named weights (`model.layers.N.self_attn.q_proj.weight`, ...),
-            already in the serving dtype and on the serving device.
+        tensors: Hugging Face-named weights (`model.layers.N.self_attn.q_proj.weight`, ...)
+            on the serving device. The serving dtype is that of `model.norm.weight`; 2-D
+            weights are in it too, or float16 under float32 (weight format `fp16`, see
+            `flare.models.quant`). The model keeps fused copies, not the tensors given.
         max_positions: size of the RoPE table (the plan's max sequence length).
+
+    Raises:
+        ValueError: a missing tensor, or a weight dtype the serving dtype cannot use.
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
@@ -80,49 +88,76 @@ class LlamaModel:
         self.num_heads, self.num_kv_heads, self.head_dim = (
             c.num_attention_heads, c.num_key_value_heads, c.head_dim)
         self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.eps = c.rms_norm_eps
 
         w = tensor_getter(tensors)
-
-        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
         self.final_norm = w("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        dtype, device = self.final_norm.dtype, self.final_norm.device
+        self.dtype = dtype
+        # fp32 serving: torch's RMSNorm kernel computes transformers' formula bit for bit
+        # (checked on random inputs); other dtypes keep transformers' fp32 round trip
+        self._fused_norm = dtype == torch.float32
+
+        def linear(names: list[str], bias: list[str] | None = None) -> Linear:
+            weight = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            b = torch.cat([w(n) for n in bias]) if bias else None
+            return Linear(weight, b, dtype)
+
+        self.embed = w("model.embed_tokens.weight")  # [V, hidden], lookup table
+        # tied: the very tensor (a mapping may hand out a new one per read)
+        self.lm_head = Linear(self.embed if c.tie_word_embeddings else w("lm_head.weight"),
+                              None, dtype)
         self.layers: list[_Layer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            bias = None
-            if c.attention_bias:
-                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"),
-                                  w(a + "v_proj.bias")])
+            qk_norm = None
+            if c.qk_norm:
+                qk_norm = torch.cat([w(a + "q_norm.weight").expand(self.num_heads, -1),
+                                     w(a + "k_norm.weight").expand(self.num_kv_heads, -1)])
             self.layers.append(_Layer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"),
-                               w(a + "v_proj.weight")]),
-                qkv_bias=bias,
-                q_norm=w(a + "q_norm.weight") if c.qk_norm else None,
-                k_norm=w(a + "k_norm.weight") if c.qk_norm else None,
-                o_proj=w(a + "o_proj.weight"),
+                qkv=linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                           [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+                           if c.attention_bias else None),
+                qk_norm=qk_norm,
+                o_proj=linear([a + "o_proj.weight"]),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"]),
             ))
-        dtype, device = self.embed.dtype, self.embed.device
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(c))
         emb = torch.cat([freqs, freqs], dim=-1)  # [P, D], as transformers builds it
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: the sign moves into the
+        # table (negation is exact), so RoPE is a swap of halves, two multiplies and an add
+        sin = emb.sin()
+        half = c.head_dim // 2
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(
+            dtype=dtype, device=device)
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of weights this model holds (fused, packed), norms and tables included."""
+        n = self.embed.nbytes + self.final_norm.nbytes + self.lm_head.nbytes
+        if self.lm_head.weight is self.embed:  # tied and unpacked: one table
+            n -= self.embed.nbytes
+        for layer in self.layers:
+            n += layer.input_norm.nbytes + layer.post_norm.nbytes
+            n += layer.qkv.nbytes + layer.o_proj.nbytes + layer.gate_up.nbytes
+            n += layer.down.nbytes
+            if layer.qk_norm is not None:
+                n += layer.qk_norm.nbytes
+        return n
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm: normalize in fp32, scale in the model dtype
+        """transformers' LlamaRMSNorm over the last axis: normalize in fp32, scale in the
+        model dtype. `weight` broadcasts against x ([hidden], or [heads, D] for q/k)."""
+        if self._fused_norm and weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * xf.to(x.dtype)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, heads, D]; cos/sin: [T, 1, D]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -140,32 +175,30 @@ class LlamaModel:
         """
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
-        x = self.embed[input_ids]  # [T, hidden]
+        x = self.embed[input_ids].to(self.dtype)  # [T, hidden] (widens a float16 table)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        sin = self.sin_signed[positions].unsqueeze(1)
         slots = batch.slot_mapping
+        nqk = (h + kvh) * d
+        k_cache, v_cache = kv.k.unbind(0), kv.v.unbind(0)  # per-layer views, made once
         for i, layer in enumerate(self.layers):
             y = self._norm(x, layer.input_norm)
-            qkv = F.linear(y, layer.qkv, layer.qkv_bias)  # [T, (H + 2 KVH) * D]
-            q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-            q = q.view(t, h, d)
-            k = k.view(t, kvh, d)
-            v = v.view(t, kvh, d)
-            if layer.q_norm is not None:
-                q = self._norm(q, layer.q_norm)
-                k = self._norm(k, layer.k_norm)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            kv.k[i].index_copy_(0, slots, k)
-            kv.v[i].index_copy_(0, slots, v)
-            o = paged_attention(q, kv.k[i], kv.v[i], batch, self.scale)  # [T, H, D]
-            x = x + F.linear(o.reshape(t, h * d), layer.o_proj)
-            y = self._norm(x, layer.post_norm)
-            gate, up = F.linear(y, layer.gate_up).chunk(2, dim=-1)  # [T, I] each
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            qkv = layer.qkv(y)  # [T, (H + 2 KVH) * D]
+            qk = qkv[:, :nqk].view(t, h + kvh, d)  # q heads, then k heads
+            if layer.qk_norm is not None:
+                qk = self._norm(qk, layer.qk_norm)
+            # RoPE on q and k at once; the flip of the two halves is roll(x, D/2)
+            qk = qk * cos + qk.view(t, h + kvh, 2, d // 2).flip(2).view(t, h + kvh, d) * sin
+            k = qk[:, h:]  # [T, KVH, D]
+            k_cache[i].index_copy_(0, slots, k)
+            v_cache[i].index_copy_(0, slots, qkv[:, nqk:].view(t, kvh, d))
+            o = paged_attention(qk[:, :h], k_cache[i], v_cache[i], batch, self.scale)  # [T,H,D]
+            x = x + layer.o_proj(o.reshape(t, h * d))
+            gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
         return self._norm(x, self.final_norm)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits, fp32 [N, vocab], from final hidden states [N, hidden]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -1,7 +1,9 @@
 """Write a runtime package (prepare) and read one back (serve).
 
 A package folder holds:
-    model.safetensors   weights, Hugging Face names, serving dtype
+    model.safetensors   weights, Hugging Face names, serving dtype; with weight format
+                        `fp16` (manifest tuning "weights") the 2-D weights of a `llama`
+                        recipe model are float16 (see `flare.models.quant`)
     tokenizer files     whatever `tokenizer.save_pretrained` writes (transformers 5:
                         tokenizer.json, tokenizer_config.json, chat_template.jinja)
     manifest.json       `flare.contract.Manifest`
@@ -15,13 +17,15 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
 from tqdm.auto import tqdm
 
@@ -47,6 +51,8 @@ from flare.loading.checkpoint import (
 )
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
+from flare.models.quant import (WEIGHT_FORMATS, check_weight_format, convert_tensors,
+                                default_weight_format, fp16_overflow, serving_weight_bytes)
 from flare.models.recipe import RECIPE_VERSIONS, recipe_for
 from flare.prepare.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
                                 CapacityPlan, dtype_from_name, dtype_name, layout_for,
@@ -64,7 +70,9 @@ class LoadedPackage:
         manifest: its manifest.
         config: model hyper-parameters (from `manifest.config`).
         plan: capacity plan serve allocates from.
-        tensors: HF name -> tensor on the requested device, serving dtype.
+        tensors: HF name -> tensor on the requested device, as stored (serving dtype;
+            float16 2-D weights for weight format `fp16`). A `PackageTensors` mapping:
+            each access reads the tensor from the package file, nothing is held here.
         tokenizer: transformers tokenizer with `chat_template`.
     """
 
@@ -72,8 +80,40 @@ class LoadedPackage:
     manifest: Manifest
     config: ModelConfig
     plan: CapacityPlan
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
+
+
+class PackageTensors(Mapping[str, torch.Tensor]):
+    """Read-only name -> tensor mapping over a safetensors file, reading a tensor (memory
+    mapped by safetensors) each time it is asked for, never caching it.
+
+    The model keeps only what it builds from these tensors (fused q/k/v and gate/up,
+    fbgemm-packed weights), so the weights in memory are the model's alone: a tensor it
+    replaced is unmapped when dropped, and the memory report's weight bytes hold.
+
+    Args:
+        path: the `model.safetensors` file.
+        device: where returned tensors live ("cpu", "cuda:0", ...).
+    """
+
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        self.path, self.device = Path(path), device
+        with safe_open(str(self.path), framework="pt") as f:
+            self._names = list(f.keys())
+        self._known = frozenset(self._names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        with safe_open(str(self.path), framework="pt", device=self.device) as f:
+            return f.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _stage(msg: str, progress: bool) -> None:
@@ -106,14 +146,14 @@ def tuning_for(device: str, plan: CapacityPlan) -> dict[str, Any]:
     return {"max_batch_tokens": plan.max_batch_tokens, "measured": False}
 
 
-def _measured_costs(ckpt: Any, plan: CapacityPlan, folder: Path, device: str,
-                    progress: bool) -> dict[str, Any]:
-    """Prefill and transfer speeds for the restore cost policy (`flare.prepare.tune`)."""
+def _measured_costs(ckpt: Any, tensors: Mapping[str, torch.Tensor], plan: CapacityPlan,
+                    folder: Path, device: str, progress: bool) -> dict[str, Any]:
+    """Prefill and transfer speeds for the restore cost policy (`flare.prepare.tune`),
+    with `tensors` as the package stores them (so prefill runs the served kernels)."""
     from flare.prepare.tune import restore_cost_inputs
 
     _stage("measuring prefill and transfer speeds (restore cost policy)", progress)
-    return restore_cost_inputs(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer, folder,
-                               device)
+    return restore_cost_inputs(ckpt.config, plan, tensors, ckpt.tokenizer, folder, device)
 
 
 def graph_capture_for(device: str) -> dict[str, Any]:
@@ -140,6 +180,7 @@ def write_package(
     checkpoint_interval: int | None = None,
     host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
     disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
+    weights: str | None = None,
 ) -> Manifest:
     """Plan, tune and write a package from a loaded checkpoint (its tensors' dtype is the
     serving dtype). See `prepare_package` for arguments and errors."""
@@ -149,6 +190,14 @@ def write_package(
     dtype_from_name(serving_dtype)  # refuse a dtype the plan does not know
     device_class = device_class_of(device)
     recipe = recipe_for(ckpt.config)
+    fmt = weights or default_weight_format(dtype=serving_dtype, device=device, recipe=recipe)
+    check_weight_format(fmt, dtype=serving_dtype, device=device, recipe=recipe)
+    if weights is None and fmt == "fp16" and fp16_overflow(ckpt.tensors) is not None:
+        fmt = "full"  # the default never turns a weight infinite; asked for, it raises
+    stored = convert_tensors(ckpt.tensors, fmt)
+    weights_bytes = ckpt.weights_bytes
+    if recipe == "llama":  # what the model holds: fused parts, fbgemm's packed layout
+        weights_bytes = serving_weight_bytes(stored, fmt, ckpt.config.tie_word_embeddings)
 
     _stage("planning", progress)
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
@@ -157,15 +206,17 @@ def write_package(
                      checkpoint_slots=checkpoint_slots, checkpoint_interval=checkpoint_interval,
                      host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes)
     layout = layout_for(ckpt.config, plan)
-    report = memory_report(ckpt.config, plan, ckpt.weights_bytes, device_total_bytes(device),
+    report = memory_report(ckpt.config, plan, weights_bytes, device_total_bytes(device),
                            host_is_device=device_class == "cpu")
 
-    _stage(f"writing {ckpt.weights_bytes / 2**20:,.0f} MiB of weights to {out_dir}", progress)
+    stored_bytes = sum(t.numel() * t.element_size() for t in stored.values())
+    _stage(f"writing {stored_bytes / 2**20:,.0f} MiB of weights (format {fmt}) to {out_dir}",
+           progress)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(ckpt.tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(stored, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         ckpt.tokenizer.save_pretrained(str(tmp))
         payload = scan_payload(tmp)
         manifest = Manifest(
@@ -182,8 +233,8 @@ def write_package(
             device_class=device_class,
             plan=plan.to_dict(),
             memory=report.to_dict(),
-            tuning=tuning_for(device, plan) | _measured_costs(ckpt, plan, out_dir.parent,
-                                                              device, progress),
+            tuning=tuning_for(device, plan) | {"weights": fmt} | _measured_costs(
+                ckpt, stored, plan, out_dir.parent, device, progress),
             graph_capture=graph_capture_for(device),
             flare_version=flare.__version__,
             torch_version=torch.__version__,
@@ -216,11 +267,13 @@ def prepare_package(
     checkpoint_interval: int | None = None,
     host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
     disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
+    weights: str | None = None,
 ) -> Manifest:
     """Build a runtime package from a GGUF file or a Hugging Face folder.
 
     Stages (shown on stderr when `progress`): loading, dequantizing, planning, writing.
-    The embedded model (135M, fp32) takes about 15 s on 2 cores, writing 540 MB.
+    The embedded model (135M, fp32 serving dtype) takes about 15 s on 2 cores, writing
+    269 MB of float16 weights (weight format `fp16`; 538 MB with `full`).
 
     Args:
         model_path: `.gguf` file or Hugging Face folder.
@@ -238,6 +291,9 @@ def prepare_package(
             ValueError).
         host_tier_bytes, disk_tier_bytes: budgets of the host and disk tiers of endpoint
             states (bytes; 0 = no such tier; flare.state.tiers).
+        weights: weight format of the linear layers, "full" or "fp16"
+            (`flare.models.quant`); None = `default_weight_format`: "fp16" on CPU with
+            float32 for recipe `llama`, else "full". Recorded as tuning["weights"].
 
     Returns:
         The written manifest.
@@ -245,12 +301,15 @@ def prepare_package(
     Raises:
         FileNotFoundError: model path or a file it needs is missing.
         ValueError: bad dtype or plan value, a plan that does not fit the device,
-            unsupported model, or `out_dir` an existing non-package folder.
+            unsupported model, a weight format that does not apply (named), or `out_dir`
+            an existing non-package folder.
         PackageError: `device` is CUDA on a machine without CUDA.
     """
     torch_dtype = dtype_from_name(dtype)
     checkpoint_format(Path(model_path))  # fail before the slow load
     device_class_of(device)
+    if weights is not None and weights not in WEIGHT_FORMATS:  # fail before the slow load
+        check_weight_format(weights, dtype=dtype, device=device, recipe="llama")
     _refuse_foreign_folder(Path(out_dir))
     _stage(f"loading {model_path}", progress)
     ckpt = load_checkpoint(Path(model_path), dtype=torch_dtype, progress=progress)
@@ -259,7 +318,8 @@ def prepare_package(
                          max_batch_tokens=max_batch_tokens, model_name=model_name,
                          device=device, progress=progress, checkpoint_slots=checkpoint_slots,
                          checkpoint_interval=checkpoint_interval,
-                         host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes)
+                         host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes,
+                         weights=weights)
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:
@@ -298,7 +358,7 @@ def load_package(path: Path, device: str = "cpu") -> LoadedPackage:
     path = Path(path)
     manifest = check_package(path, device_class=device_class_of(device))
     config, plan = check_state_layout(manifest, where=f"package {str(path)!r}")
-    tensors = load_file(str(path / WEIGHTS_NAME), device=str(torch.device(device)))
+    tensors = PackageTensors(path / WEIGHTS_NAME, device=str(torch.device(device)))
     tokenizer = load_tokenizer(path)
     return LoadedPackage(path=path, manifest=manifest, config=config, plan=plan,
                          tensors=tensors, tokenizer=tokenizer)
@@ -344,11 +404,12 @@ def check_state_layout(manifest: Manifest, where: str = "package"
 
 
 def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
-                  device: str = "cpu", **plan_kwargs: Any) -> str | None:
+                  device: str = "cpu", weights: str | None = None,
+                  **plan_kwargs: Any) -> str | None:
     """Why the package at `package` cannot stand for preparing `model_path` with these
     settings, or None when it can: it must pass `check_package`, come from the same source
-    files (format and per-file sha256), and have the same dtype and the plan these
-    settings would make."""
+    files (format and per-file sha256), and have the same dtype, weight format (None:
+    the default for its recipe) and the plan these settings would make."""
     try:
         manifest = check_package(package, device_class=device_class_of(device))
     except PackageError as exc:
@@ -359,6 +420,11 @@ def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
         return f"source changed: package built from {have.get('files')}, model is {want['files']}"
     if manifest.dtype != dtype:
         return f"dtype differs: package {manifest.dtype}, wanted {dtype}"
+    want_fmt = weights or default_weight_format(dtype=dtype, device=device,
+                                                recipe=manifest.recipe)
+    have_fmt = manifest.tuning.get("weights", "full")
+    if have_fmt != want_fmt:
+        return f"weight format differs: package {have_fmt}, wanted {want_fmt}"
     try:
         check_state_layout(manifest)
     except PackageError as exc:
@@ -371,7 +437,7 @@ def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
 
 def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
                    model_name: str | None = None, device: str = "cpu", progress: bool = True,
-                   **plan_kwargs: Any) -> Path:
+                   weights: str | None = None, **plan_kwargs: Any) -> Path:
     """A checked package for `model_path` under `cache_dir`, reused when valid.
 
     The package lives at `cache_dir/<model name>-<dtype>`. It is reused when
@@ -380,6 +446,7 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     when `progress`).
 
     Args:
+        weights: weight format (None: the recipe's default, see `prepare_package`).
         plan_kwargs: max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens.
 
     Returns:
@@ -393,12 +460,13 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     name = model_name or default_model_name(model_path)
     out = Path(cache_dir) / f"{name}-{dtype}"
     if (out / MANIFEST_NAME).is_file():
-        problem = reuse_problem(out, model_path, dtype=dtype, device=device, **plan_kwargs)
+        problem = reuse_problem(out, model_path, dtype=dtype, device=device, weights=weights,
+                                **plan_kwargs)
         if problem is None:
             _stage(f"reusing package {read_manifest(out).package_id[:12]} at {out}", progress)
             return out
         _stage(f"rebuilding {out}: {problem}", progress)
     prepare_package(model_path, out, dtype=dtype, model_name=model_name, device=device,
-                    progress=progress, **plan_kwargs)
+                    progress=progress, weights=weights, **plan_kwargs)
     return out
 

@@ -1,0 +1,234 @@
+"""Flare beside its local peers and this machine's limits, on the embedded model: one table.
+
+Columns: Flare's engine (prefix cache off) in each weight format asked for; transformers'
+`generate` on the same fp32 weights; llama.cpp through llama-cpp-python on the very same
+GGUF file, when it is importable. Rows: decode tokens/s at batch 1, aggregate decode
+tokens/s at 8 concurrent streams, prefill tokens/s on 512- and 2,048-token prompts.
+Each figure is followed by its fraction of the machine's limit:
+
+- decode: bytes read per step (the weights in the column's storage, plus the KV cache of
+  the context) x steps/s, over the measured memory bandwidth;
+- prefill: FLOPs per token (2 x linear parameters + attention over the causal context)
+  x tokens/s, over the measured fp32 GEMM rate (torch.mm of 2048 x 2048 matrices).
+
+Nothing is installed here. llama.cpp's Python binding: `pip install llama-cpp-python`
+(a source build, about 11 minutes on 2 cores); transformers is a dependency of Flare.
+Every column runs with the same thread count. Figures drift between runs on a shared
+machine: compare the columns of one run.
+
+    .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full]
+        [--quick] [--skip-transformers] [--skip-llama-cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import (_prompt, flare_decode, flare_engine, flare_prefill,  # noqa: E402
+                          hf_decode, hf_model, hf_prefill)
+
+from flare.loading.checkpoint import load_checkpoint  # noqa: E402
+from flare.loading.embedded import embedded_model_path  # noqa: E402
+
+SHORT_PROMPT = 32  # tokens before decode starts
+
+
+# ---- machine limits ---------------------------------------------------------------------
+
+def gemm_gflops(n: int = 2048, reps: int = 3) -> float:
+    """fp32 GFLOP/s of torch.mm on n x n matrices (median of `reps`)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
+def bandwidth_gbs(nbytes: int = 256 << 20, reps: int = 5) -> tuple[float, float]:
+    """(copy, read) GB/s over a buffer of `nbytes`: copy counts bytes read plus written
+    (STREAM's convention), read is a sum over the buffer. Medians of `reps`."""
+    src = torch.empty(nbytes // 4).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copies, reads = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        src.sum()
+        reads.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(copies) / 1e9, nbytes / statistics.median(reads) / 1e9
+
+
+# ---- what one token costs -----------------------------------------------------------------
+
+def linear_params(cfg) -> tuple[int, int]:
+    """(parameters of the decoder's linear layers, of the output layer)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    attn += cfg.num_attention_heads * d * h
+    mlp = 3 * h * cfg.intermediate_size
+    return cfg.num_hidden_layers * (attn + mlp), cfg.vocab_size * h
+
+
+def decode_bytes_per_step(cfg, weight_bytes: float, batch: int, context: int) -> float:
+    """Bytes one decode step reads: every linear weight once (output layer included) at
+    `weight_bytes` per parameter, plus each sequence's fp32 K and V over `context`."""
+    layers, out = linear_params(cfg)
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    return (layers + out) * weight_bytes + batch * context * kv
+
+
+def prefill_flops_per_token(cfg, n: int) -> float:
+    """FLOPs per prompt token of an n-token prefill: 2 x linear parameters, plus QK^T and
+    PV over n/2 keys on average (causal) in every layer; the output layer is left out (one
+    row per prompt)."""
+    layers, _ = linear_params(cfg)
+    attn = 2 * 2 * (n / 2) * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    return 2 * layers + attn
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------
+
+def llama_cpp_figures(gguf: Path, ids_of, threads: int, decode_tokens: int,
+                      lengths: tuple[int, ...]) -> dict[str, float | None] | str:
+    """llama.cpp's figures through llama-cpp-python, or why there are none. Prefill is one
+    `eval` of the prompt (batches of 512); decode evaluates one token per step (a fixed
+    id: the sampler is not timed). The binding runs one sequence: no batch-8 figure."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return "not installed (pip install llama-cpp-python; a source build, ~11 min)"
+    llm = Llama(model_path=str(gguf), n_ctx=4096, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    out: dict[str, float | None] = {"decode_b8": None}
+    llm.reset()
+    llm.eval(ids_of(16))  # warm-up
+    for n in lengths:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids_of(n))
+        out[f"prefill_{n}"] = n / (time.perf_counter() - t)
+    llm.reset()
+    llm.eval(ids_of(SHORT_PROMPT))
+    t = time.perf_counter()
+    for _ in range(decode_tokens):
+        llm.eval([42])
+    out["decode_b1"] = decode_tokens / (time.perf_counter() - t)
+    del llm
+    return out
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="threads for every column (default: the cores this process may use)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--weights", default="fp16,full",
+                    help="Flare weight formats, comma-separated (default fp16,full)")
+    ap.add_argument("--quick", action="store_true",
+                    help="skip the 2,048-token prefill and decode 24 tokens")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n_dec = 24 if args.quick else args.decode_tokens
+    lengths = (512,) if args.quick else (512, 2048)
+
+    gguf = embedded_model_path()
+    ckpt = load_checkpoint(gguf)
+    cfg, tok = ckpt.config, ckpt.tokenizer
+
+    def ids_of(n: int) -> list[int]:
+        return _prompt(tok, n)
+
+    short = ids_of(SHORT_PROMPT)
+    rows = ["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in lengths]
+    labels = {"decode_b1": "decode batch 1, tok/s", "decode_b8": "decode 8 streams, agg tok/s",
+              **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in lengths}}
+    columns: dict[str, dict[str, float | None] | str] = {}
+    bytes_per_param: dict[str, float] = {}
+
+    for fmt in [w for w in args.weights.split(",") if w]:
+        engine = flare_engine(ckpt, fmt)
+        flare_decode(engine, short, 1, 8)  # warm-up
+        columns[f"flare {fmt}"] = {
+            "decode_b1": flare_decode(engine, short, 1, n_dec),
+            "decode_b8": flare_decode(engine, short, 8, n_dec),
+            **{f"prefill_{n}": flare_prefill(engine, ids_of(n)) for n in lengths}}
+        bytes_per_param[f"flare {fmt}"] = 2.0 if fmt == "fp16" else 4.0
+        del engine
+        gc.collect()
+
+    if not args.skip_transformers:
+        model = hf_model(ckpt)
+        hf_prefill(model, ids_of(64))  # warm-up
+        columns["transformers fp32"] = {
+            "decode_b1": hf_decode(model, short, 1, n_dec),
+            "decode_b8": hf_decode(model, short, 8, n_dec),
+            **{f"prefill_{n}": hf_prefill(model, ids_of(n)) for n in lengths}}
+        bytes_per_param["transformers fp32"] = 4.0
+        del model
+        gc.collect()
+
+    if not args.skip_llama_cpp:
+        columns["llama.cpp"] = llama_cpp_figures(gguf, ids_of, args.threads, n_dec, lengths)
+        layers, out = linear_params(cfg)
+        # the GGUF's tensor bytes per parameter (Q4_1 layers, Q8_0 embedding / output)
+        bytes_per_param["llama.cpp"] = gguf.stat().st_size / (layers + out)
+
+    gflops = gemm_gflops()
+    copy_bw, read_bw = bandwidth_gbs()
+    bw = max(copy_bw, read_bw)  # the larger: fractions are never overstated
+
+    def fraction(col: str, row: str, value: float) -> float:
+        if row.startswith("prefill"):
+            n = int(row.split("_")[1])
+            return value * prefill_flops_per_token(cfg, n) / (gflops * 1e9)
+        batch = 8 if row == "decode_b8" else 1
+        steps = value / batch
+        per_step = decode_bytes_per_step(cfg, bytes_per_param[col], batch,
+                                         SHORT_PROMPT + n_dec // 2)
+        return steps * per_step / (bw * 1e9)
+
+    print(f"embedded model {gguf.name}; {args.threads} threads; torch {torch.__version__}; "
+          f"decode {n_dec} tokens after a {SHORT_PROMPT}-token prompt")
+    width = 22
+    print(f"{'figure':30}" + "".join(f"{c:>{width}}" for c in columns))
+    for row in rows:
+        cells = []
+        for col, figs in columns.items():
+            value = None if isinstance(figs, str) else figs.get(row)
+            if value is None:
+                cells.append("-")
+            else:
+                cells.append(f"{value:7.1f} ({100 * fraction(col, row, value):4.1f}%)")
+        print(f"{labels[row]:30}" + "".join(f"{c:>{width}}" for c in cells))
+    for col, figs in columns.items():
+        if isinstance(figs, str):
+            print(f"{col}: {figs}")
+    print(f"limits: fp32 GEMM {gflops:.0f} GFLOP/s (2048^3 torch.mm); memory copy "
+          f"{copy_bw:.1f} GB/s (read+write), read {read_bw:.1f} GB/s; (%) = share of "
+          f"{bw:.1f} GB/s for decode, of the GEMM rate for prefill")
+    print("decode bytes per parameter: " + ", ".join(
+        f"{c} {b:.2f}" for c, b in bytes_per_param.items())
+          + "; llama.cpp has no 8-stream figure (its binding runs one sequence)")
+
+
+if __name__ == "__main__":
+    main()

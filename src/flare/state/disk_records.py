@@ -100,6 +100,11 @@ class StateRecord:
     position: int
     tensors: dict[str, torch.Tensor]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the record's tensors."""
+        return sum(t.nbytes for t in self.tensors.values())
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"record kind {self.kind!r} is not one of {KINDS}")

@@ -67,23 +67,18 @@ def checkpoint_key(parent: bytes, tail: tuple[int, ...]) -> bytes:
     return _key(b"ckpt", parent, tail)
 
 
-def record_nbytes(record: "StateRecord") -> int:
-    """Bytes of a record's tensors."""
-    return sum(t.nbytes for t in record.tensors.values())
-
-
 def page_record(kv: "KVCache", node: "PageNode") -> "StateRecord":
     """A host copy of a published page: K and V of its positions in every KV layer,
     tensors `k`, `v` of shape [num_kv_layers, len(node.tokens), num_kv_heads, head_dim]."""
     from flare.state.disk_tier import StateRecord
 
     a, n = node.page * kv.page_size, len(node.tokens)
-    depth_pos = 0  # positions are not needed to place a page: its key chain places it
     kind = PAGE if node.key is not None else TAIL
     key = node.key if node.key is not None else tail_key(node.parent, node.tokens)
     tensors = {"k": kv.k[:, a:a + n].to("cpu", copy=True),
                "v": kv.v[:, a:a + n].to("cpu", copy=True)}
-    return StateRecord(kind, key, node.parent, node.tokens, depth_pos, tensors)
+    # position 0: a page is placed by its key chain, not by a position
+    return StateRecord(kind, key, node.parent, node.tokens, 0, tensors)
 
 
 def checkpoint_record(states: "StateSlotPool", ckpt: "Checkpoint") -> "StateRecord":
@@ -130,7 +125,7 @@ class HostTier:
         if record.key in self._records:
             self._records.move_to_end(record.key)
             return []
-        size = record_nbytes(record)
+        size = record.nbytes
         if size > self.budget_bytes:
             return [record]
         out = []
@@ -151,7 +146,7 @@ class HostTier:
         kids.discard(key)
         if not kids:
             del self._children[(rec.parent, rec.kind)]
-        self.nbytes -= record_nbytes(rec)
+        self.nbytes -= rec.nbytes
         self.evicted += 1
         return rec
 
@@ -320,7 +315,7 @@ class TierStore:
                 records.append(ckpt)
         if not records:
             return None, pos
-        size = sum(record_nbytes(r) for r in records)
+        size = sum(r.nbytes for r in records)
         if size > self.disk.budget_bytes:
             raise SaveRefused(f"the state of {pos} tokens takes {size:,} bytes, more than the "
                               f"disk tier's budget of {self.disk.budget_bytes:,} bytes")

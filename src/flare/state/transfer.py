@@ -199,7 +199,7 @@ class TransferQueue:
             out[key] = rec
             with self._lock:
                 self.stats.records_read += 1
-                self.stats.bytes_read += _nbytes(rec)
+                self.stats.bytes_read += rec.nbytes
         ticket.records = out
 
     def _write(self, ticket: Ticket) -> None:
@@ -208,8 +208,4 @@ class TransferQueue:
                 ticket.written += 1
                 with self._lock:
                     self.stats.records_written += 1
-                    self.stats.bytes_written += _nbytes(rec)
-
-
-def _nbytes(record: "StateRecord") -> int:
-    return sum(t.nbytes for t in record.tensors.values())
+                    self.stats.bytes_written += rec.nbytes

@@ -204,6 +204,27 @@ def test_penalties_change_a_repeating_answer_and_zero_changes_nothing(client):
         assert r.json()["choices"][0]["text"] != plain, penalty
 
 
+def test_logit_bias_forces_and_bans_tokens_streaming_and_not(client, embedded_checkpoint):
+    tok = embedded_checkpoint.tokenizer
+    target = tok.encode(" banana", add_special_tokens=False)[0]
+    body = {"max_tokens": 4, "temperature": 0, "logit_bias": {str(target): 100}}
+    text = _chat(client, **body).json()["choices"][0]["message"]["content"]
+    assert text == tok.decode([target] * 4)
+    streamed = _chat(client, **body, stream=True)
+    pieces = [e["choices"][0]["delta"].get("content") or "" for e in _events(streamed)
+              if e["choices"]]
+    assert "".join(pieces) == text
+    plain = _chat(client, max_tokens=1, temperature=0, logprobs=True).json()["choices"][0]
+    first = plain["logprobs"]["content"][0]["token"]
+    first_id = tok.convert_tokens_to_ids(tok.tokenize(first))[0]
+    banned = _chat(client, max_tokens=1, temperature=0, logit_bias={str(first_id): -100})
+    assert banned.json()["choices"][0]["message"]["content"] != plain["message"]["content"]
+    vocab = len(tok)
+    r = _chat(client, logit_bias={str(vocab): 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert str(vocab) in r.json()["error"]["message"]
+
+
 # --------------------------------------------------------------------------- 400s
 
 

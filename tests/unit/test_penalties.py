@@ -1,4 +1,5 @@
-"""Presence, frequency and repetition penalties: the math on small logits, and the engine.
+"""Presence, frequency and repetition penalties and logit bias: the math on small logits,
+running counts equal to a fresh count, and the engine.
 
 Engine tests run the tiny random Qwen3; a request's output is compared with the same request
 run alone, so a penalty can never leak into another row of the batch.
@@ -13,7 +14,8 @@ from flare.loading.checkpoint import load_checkpoint
 from flare.prepare.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
-from flare.runtime.sampling import TokenHistory, apply_penalties, sample
+from flare.runtime.sampling import (PenaltyCounts, TokenHistory, apply_logit_bias,
+                                    apply_penalties, sample)
 
 PROMPT_AND_COMPLETION = TokenHistory([0, 1, 2, 2, 4], num_prompt_tokens=2)
 
@@ -51,6 +53,45 @@ def test_penalties_keep_masked_tokens_masked_and_ignore_an_empty_completion():
     assert torch.equal(prompt_only, logits)
 
 
+def test_running_counts_equal_a_fresh_count_at_every_step():
+    """The engine's counts are updated by the new tokens only; applied at every length of a
+    growing history they must give what a count of the whole history gives."""
+    gen = torch.Generator().manual_seed(3)
+    history = torch.randint(0, 40, (60,), generator=gen).tolist() + [-1, 999]  # 2 out of range
+    params = _p(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=-0.4)
+    running = PenaltyCounts(vocab=32)
+    for n in [*range(10, len(history), 3), len(history)]:  # prompt of 10, then a few a step
+        logits = torch.randn(32, generator=gen)
+        h = TokenHistory(history[:n], num_prompt_tokens=10)
+        incremental = apply_penalties(logits.clone(), params, h._replace(counts=running))
+        assert torch.equal(incremental, apply_penalties(logits.clone(), params, h))
+    assert running.num_counted == len(history)
+    shorter = TokenHistory(history[:12], num_prompt_tokens=10, counts=running)  # recounted
+    logits = torch.randn(32, generator=gen)
+    assert torch.equal(apply_penalties(logits.clone(), params, shorter),
+                       apply_penalties(logits.clone(), params, shorter._replace(counts=None)))
+
+
+def test_logit_bias_adds_to_its_tokens_and_keeps_masked_tokens_masked():
+    logits = torch.tensor([1.0, 2.0, float("-inf"), 0.5])
+    out = apply_logit_bias(logits.clone(), _p(logit_bias=((0, 3.0), (2, 100.0), (3, -0.5),
+                                                          (7, 5.0))))
+    assert out.tolist() == [4.0, 2.0, float("-inf"), 0.0]  # id 7 is outside the vocab
+
+
+def test_logit_bias_comes_before_penalties_and_after_logprobs():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    params = _p(logit_bias=((1, 3.0),), frequency_penalty=2.0, logprobs=0)
+    result = sample(logits.clone(), [params], [torch.Generator()],
+                    [TokenHistory([1], num_prompt_tokens=0)])
+    # biased 1 + 3 = 4, then -2 for its one occurrence: 2 vs token 0's 2.0; argmax takes 0
+    assert result.tokens == [0]
+    assert result.logprobs[0].logprob == pytest.approx(
+        torch.log_softmax(logits[0], -1)[0].item())  # the model's own distribution
+    forced = sample(logits.clone(), [_p(logit_bias=((2, 100.0),))], [torch.Generator()])
+    assert forced.tokens == [2]
+
+
 def test_sample_penalizes_only_its_own_row():
     logits = torch.tensor([[0.0, 1.0, 0.75], [0.0, 1.0, 0.75]])
     history = TokenHistory([1], num_prompt_tokens=0)
@@ -67,6 +108,8 @@ def test_sample_penalizes_only_its_own_row():
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"logprobs": -1}, "logprobs"),
+    ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+    ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
 ])
 def test_sampling_params_refuse_out_of_range_values(kw, words):
     with pytest.raises(ValueError, match=words):
@@ -143,4 +186,18 @@ def test_a_penalized_request_leaves_its_batch_neighbours_unchanged(tiny, repeati
     assert _tokens(outs["plain"]) == plain
     assert _tokens(outs["other"]) == other_alone
     assert _tokens(outs["pen"]) == penalized_alone
+    engine.check_integrity()
+
+
+def test_logit_bias_bans_and_forces_tokens_in_the_engine(tiny, repeating):
+    ids, plain = repeating
+    engine = _engine(tiny)
+    banned = _run(engine, ids, _greedy(logit_bias=((plain[0], -100.0),)))
+    assert banned[0] != plain[0]
+    target = next(t for t in range(5, 100) if t not in plain)
+    forced = _run(engine, ids, _greedy(logit_bias=((target, 100.0),)))
+    assert forced == [target] * len(forced)
+    outs = engine.run_until_idle([GenerationRequest("bias", ids, _greedy(
+        logit_bias=((target, 100.0),))), GenerationRequest("plain", ids, _greedy())])
+    assert _tokens(outs["plain"]) == plain and _tokens(outs["bias"]) == forced
     engine.check_integrity()

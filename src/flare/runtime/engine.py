@@ -34,7 +34,7 @@ from flare.models.recipe import build_model, recipe_for
 from flare.prepare.plan import CapacityPlan, layout_for
 from flare.runtime.detokenize import IncrementalDetokenizer
 from flare.runtime.request import GenerationRequest, RequestOutput, RequestTimings
-from flare.runtime.sampling import TokenHistory, sample
+from flare.runtime.sampling import PenaltyCounts, TokenHistory, sample
 from flare.runtime.scheduler import ScheduledChunk, Scheduler
 from flare.runtime.sequence import Sequence, SeqStatus
 from flare.runtime.stop_strings import StopStringMatcher
@@ -630,9 +630,14 @@ class Engine:
             allowed = constraint.allowed(logits.shape[-1]) if constraint is not None else None
             if allowed is not None:
                 logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        vocab = logits.shape[-1]
+        for seq in sampling:
+            if seq.penalty_counts is None and seq.request.params.penalized:
+                seq.penalty_counts = PenaltyCounts(vocab)
         result = sample(logits, [s.request.params for s in sampling],
                         [s.generator for s in sampling],
-                        [TokenHistory(s.token_ids, s.num_prompt_tokens) for s in sampling])
+                        [TokenHistory(s.token_ids, s.num_prompt_tokens, s.penalty_counts)
+                         for s in sampling])
         # read by _append/_emit of this step: the logprob goes out with its token
         self._sampled_logprobs = {s.request_id: lp for s, lp in zip(sampling, result.logprobs)
                                   if lp is not None}

@@ -46,6 +46,8 @@ class SamplingParams:
         repetition_penalty: > 0; for every token of the prompt or the completion so far, a
             positive logit is divided by it and a negative one multiplied (transformers' and
             vLLM's). 1 disables it.
+        logit_bias: (token id, bias) pairs, each bias in [-100, 100], added to the token's
+            logit after logprobs are taken and before penalties (OpenAI's `logit_bias`).
     """
 
     max_tokens: int = 16
@@ -60,6 +62,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -81,6 +84,10 @@ class SamplingParams:
         if not 0 < self.repetition_penalty < float("inf"):
             raise ValueError(f"repetition_penalty must be > 0 and finite, "
                              f"got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:  # also refuses NaN
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in "
+                                 f"[-100, 100], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:

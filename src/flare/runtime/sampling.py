@@ -4,8 +4,9 @@ For each row of a step's logits, in this order (each only for the rows whose req
 1. (the engine, before `sample`) a token constraint's mask: forbidden tokens get -inf.
 2. log-probabilities: log-softmax of those logits, so they describe the model's own
    distribution over the tokens the constraint allows, not the sampler's.
-3. penalties: repetition (prompt and completion), then frequency and presence (completion).
-4. greedy argmax, or temperature, top-k, top-p and a draw with the request's generator.
+3. logit bias: the request's additive per-token biases (OpenAI's `logit_bias`).
+4. penalties: repetition (prompt and completion), then frequency and presence (completion).
+5. greedy argmax, or temperature, top-k, top-p and a draw with the request's generator.
 
 Every step reads and writes only its own row, and each request owns a `torch.Generator`, so
 a request draws the same tokens (and reports the same logprobs) whether it runs alone or in
@@ -32,10 +33,59 @@ class TokenHistory(NamedTuple):
     Attributes:
         token_ids: the prompt followed by the completion tokens generated so far.
         num_prompt_tokens: how many of `token_ids` are the prompt.
+        counts: the sequence's running `PenaltyCounts` (the engine keeps one per penalized
+            sequence), or None to count `token_ids` afresh.
     """
 
     token_ids: Sequence[int]
     num_prompt_tokens: int
+    counts: PenaltyCounts | None = None
+
+
+class PenaltyCounts:
+    """Token counts one sequence's penalties read, brought up to date by new tokens only.
+
+    Counting the whole history at every step would cost O(prompt + completion) per decoded
+    token (a long agent prompt with `repetition_penalty` rebuilt a set of thousands of ids
+    per token); `update` counts only the tokens appended since its last call, and applying
+    the penalties is O(vocab) whatever the history's length.
+
+    Args:
+        vocab: width of the logits rows, V. Token ids outside [0, V) are not counted.
+
+    Attributes:
+        seen: bool [V], tokens of the prompt or the completion (repetition penalty).
+        completion: float32 [V], times each token occurs in the completion (frequency and
+            presence penalties).
+        num_counted: how many tokens of the history are counted.
+    """
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.seen = torch.zeros(vocab, dtype=torch.bool)
+        self.completion = torch.zeros(vocab, dtype=torch.float32)
+        self.num_counted = 0
+
+    def update(self, history: TokenHistory) -> PenaltyCounts:
+        """Count the tokens of `history` past `num_counted`; returns self. A history shorter
+        than what was counted (it is never cut in the engine) is counted afresh."""
+        ids = history.token_ids
+        if len(ids) < self.num_counted:
+            self.seen.zero_()
+            self.completion.zero_()
+            self.num_counted = 0
+        start = self.num_counted
+        if start == len(ids):
+            return self
+        new = torch.tensor(list(ids[start:]), dtype=torch.int64)
+        keep = (new >= 0) & (new < self.vocab)
+        self.seen[new[keep]] = True
+        first_completion = max(history.num_prompt_tokens - start, 0)  # index into `new`
+        done = new[first_completion:]
+        done = done[(done >= 0) & (done < self.vocab)]
+        self.completion.index_add_(0, done, torch.ones(len(done), dtype=torch.float32))
+        self.num_counted = len(ids)
+        return self
 
 
 @dataclass(frozen=True)
@@ -52,6 +102,21 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Add the request's `logit_bias` to fp32 logits [vocab] in place; returns `logits`.
+
+    OpenAI's semantics: each bias (in [-100, 100]) is added to its token's logit before
+    sampling; -100 all but bans a token, 100 all but forces it. Ids outside [0, vocab) are
+    ignored (the server refuses them with a 400 first). A -inf logit stays -inf.
+    """
+    vocab = logits.shape[-1]
+    pairs = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab]
+    if pairs:
+        ids, biases = zip(*pairs)
+        logits[list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams,
                     history: TokenHistory) -> torch.Tensor:
     """Penalize fp32 logits [vocab] in place for the tokens of `history`; returns `logits`.
@@ -59,23 +124,20 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams,
     Repetition penalty r (over prompt and completion, each distinct token once): a positive
     logit becomes logit / r, a negative one logit * r. Then, with c the number of times a
     token occurs in the completion so far, logit -= frequency_penalty * c +
-    presence_penalty * (c > 0). Token ids outside [0, vocab) are ignored. A -inf logit
-    (masked by a constraint) stays -inf.
+    presence_penalty * (c > 0) (OpenAI's formula). Token ids outside [0, vocab) are
+    ignored. A -inf logit (masked by a constraint) stays -inf. The counts come from
+    `history.counts` (updated here by the tokens it has not seen), or from a fresh count.
     """
     vocab = logits.shape[-1]
-    ids = history.token_ids
+    counts = history.counts if history.counts is not None else PenaltyCounts(vocab)
+    counts.update(history)
+    seen, done = counts.seen.to(logits.device), counts.completion.to(logits.device)
     r = params.repetition_penalty
-    if r != 1.0 and len(ids) > 0:
-        seen = torch.tensor(list(ids), dtype=torch.int64, device=logits.device).unique()
-        seen = seen[(seen >= 0) & (seen < vocab)]
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / r, vals * r)
-    completion = ids[history.num_prompt_tokens:]
-    if (params.frequency_penalty or params.presence_penalty) and len(completion) > 0:
-        done = torch.tensor(list(completion), dtype=torch.int64, device=logits.device)
-        done = done[(done >= 0) & (done < vocab)]
-        counts = torch.bincount(done, minlength=vocab).to(logits.dtype)  # [vocab]
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if r != 1.0:
+        penalized = torch.where(logits > 0, logits / r, logits * r)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if params.frequency_penalty or params.presence_penalty:
+        logits -= params.frequency_penalty * done + params.presence_penalty * (done > 0)
     return logits
 
 
@@ -113,12 +175,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     """Pick a token for each row of fp32 logits [N, vocab] (module docstring for the order).
 
     Args:
-        logits: [N, vocab] fp32, after any constraint mask; penalized rows are modified in
-            place.
+        logits: [N, vocab] fp32, after any constraint mask; biased and penalized rows are
+            modified in place.
         params: N requests' sampling parameters.
         generators: N per-request generators (used by sampled rows only).
         histories: N token histories, needed when any row has a penalty (None: no row is
-            penalized).
+            penalized); a history's `counts` is brought up to date in place.
 
     Log-probabilities (log-softmax over the vocabulary, natural log) and the top-k
     alternatives are computed only for rows whose `params.logprobs` is not None; rows
@@ -132,6 +194,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     want = [row for row, p in enumerate(params) if p.logprobs is not None]
     logprobs = torch.log_softmax(logits[want], dim=-1) if want else None  # [R, vocab]
     for row, p in enumerate(params):
+        if p.logit_bias:
+            apply_logit_bias(logits[row], p)
         if p.penalized:
             if histories is None:
                 raise ValueError(f"row {row} has penalties but no token history was given")

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from flare.runtime.request import FinishReason, GenerationRequest
+from flare.runtime.sampling import PenaltyCounts
 
 
 class SeqStatus(enum.Enum):
@@ -42,6 +43,8 @@ class Sequence:
             finished, or a KV-only recipe).
         ticket: a transfer ticket bringing this sequence's state from disk; while it is
             not done the sequence waits (holding no pages and no slot).
+        penalty_counts: running token counts for a penalized request's sampling
+            (`flare.runtime.sampling.PenaltyCounts`), made at its first sampled token.
     """
 
     request: GenerationRequest
@@ -57,6 +60,7 @@ class Sequence:
     needs_lookup: bool = True
     state_slot: int = -1
     ticket: Any = None
+    penalty_counts: PenaltyCounts | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     scheduled_ns: int | None = None

@@ -327,6 +327,13 @@ def create_app(
         except RequestRejected as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
 
+    def check_logit_bias(req: ChatCompletionRequest | CompletionRequest) -> None:
+        vocab = len(engine.tokenizer)
+        bad = [t for t, _ in req.logit_bias_pairs if t >= vocab]
+        if bad:
+            raise ApiError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
+                                f"[0, {vocab}).", param="logit_bias")
+
     def check_n(n: int) -> None:
         if n > settings.max_n:
             raise ApiError(400, f"n is {n}; this server allows at most {settings.max_n}.",
@@ -394,6 +401,7 @@ def create_app(
         param = "messages" if kind == "chat" else "prompt"
         max_tokens = completion_budget(req, len(prompt_ids), param)
         check_session(req, len(prompt_ids) + max_tokens)
+        check_logit_bias(req)
         response_id = _new_id("chatcmpl" if kind == "chat" else "cmpl")
         created = int(time.time())
         streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns,

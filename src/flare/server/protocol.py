@@ -385,10 +385,23 @@ class _SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias_unsupported(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _logit_bias_ids_and_range(cls, v: dict[str, float] | None
+                                  ) -> dict[str, float] | None:
+        """Keys are token ids written as decimal strings, values in [-100, 100] (OpenAI's
+        rules); the app checks the ids against the vocabulary."""
+        for key, bias in (v or {}).items():
+            if not key.isascii() or not key.isdecimal():
+                raise ValueError(f"logit_bias keys must be token ids (decimal strings), "
+                                 f"got {key!r}")
+            if not -100 <= bias <= 100:  # also refuses NaN and infinities
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} "
+                                 f"for token {key}")
         return v
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs in token order."""
+        return tuple(sorted((int(k), float(b)) for k, b in (self.logit_bias or {}).items()))
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -433,6 +446,7 @@ class _SamplingRequest(_Request):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias_pairs,
         )
 
 

@@ -17,6 +17,7 @@ status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="SECONDS",
                        help="abort a request this long after it arrived: 504, or an error "
                             "event in a started stream (default: no limit)")
+    serve.add_argument("--threads", type=_positive_int, default=None,
+                       help="CPU threads of the engine's tensor operations (default: the "
+                            "package's tuning, at most the cores this process may use)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="log level of the server and of Flare's own loggers (default info)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="never reuse cached KV pages (every prompt is prefilled in full; "
                             "for measuring what reuse saves)")
@@ -234,9 +241,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         state_dir = args.state_dir
     if args.restore_cost_factor < 0:
         raise ValueError(f"--restore-cost-factor must be >= 0, got {args.restore_cost_factor}")
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from flare.server.app import serve
 
-    serve(package, host=args.host, port=args.port, tool_parser=args.tool_parser,
+    serve(package, host=args.host, port=args.port, log_level=args.log_level,
+          threads=args.threads, tool_parser=args.tool_parser,
           api_key=args.api_key, protect_metrics=args.protect_metrics,
           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
           max_messages=args.max_messages, request_timeout_s=args.request_timeout,

@@ -52,7 +52,7 @@ def limited(embedded_checkpoint):
 def plain(embedded_checkpoint):
     from flare.server.app import ServerSettings
 
-    srv = _server(embedded_checkpoint, 256, ServerSettings())
+    srv = _server(embedded_checkpoint, PLAIN_MAX_SEQ_LEN, ServerSettings())
     with httpx.Client(base_url=srv.url, timeout=60) as client:
         yield client
     srv.stop()
@@ -160,11 +160,21 @@ def test_a_short_request_within_the_timeout_is_untouched(limited):
 # --------------------------------------------------------------------------- off the loop
 
 
-HUGE_BYTES = 2 * 1024 * 1024  # ~420k tokens: seconds of rendering + tokenizing on 2 cores
+PLAIN_MAX_SEQ_LEN = 256
 
 
-def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypatch):
-    """While a 2 MB prompt is rendered and tokenized, a small stream runs to [DONE].
+def _longest_prompt_tokenized(tokenizer) -> int:
+    """Characters of the longest prompt `plain` still tokenizes (longer ones are refused
+    from their length alone): ~83k characters, ~16k tokens here."""
+    from flare.server.guard import PromptBound
+
+    return PromptBound(tokenizer, PLAIN_MAX_SEQ_LEN).max_chars
+
+
+def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypatch,
+                                                                 embedded_checkpoint):
+    """While the longest prompt the server tokenizes is rendered and tokenized, a small
+    stream runs to [DONE].
 
     The huge request's tokenization is held open (after its real work) until the small
     stream ends, so the order is deterministic: with tokenization on the event loop the
@@ -177,8 +187,10 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
     entered, release = threading.Event(), threading.Event()
     times: dict[str, float] = {}
 
+    huge_chars = _longest_prompt_tokenized(embedded_checkpoint.tokenizer) - 100
+
     def held(tokenizer, messages, *args):
-        if sum(len(m.content or "") for m in messages) < HUGE_BYTES // 2:
+        if sum(len(m.content or "") for m in messages) < huge_chars // 2:
             return real(tokenizer, messages, *args)
         times["huge_entered"] = time.monotonic()
         entered.set()
@@ -188,7 +200,7 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
         return ids
 
     monkeypatch.setattr(app_module, "chat_prompt_ids", held)
-    huge = {"model": MODEL, "messages": _user("word " * (HUGE_BYTES // 5)), "max_tokens": 4}
+    huge = {"model": MODEL, "messages": _user("word " * (huge_chars // 5)), "max_tokens": 4}
     small = {"model": MODEL, "messages": _user("Say hi."), "max_tokens": 8, "temperature": 0,
              "stream": True}
     with ThreadPoolExecutor(1) as pool:
@@ -211,11 +223,34 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
             release.set()
         r = pending.result(60)
     times["huge_answered"] = time.monotonic()
-    # error handling is unchanged: the ~420k-token prompt is refused, naming its size
+    # error handling is unchanged: the ~16k-token prompt is refused, naming its size
     err = _error(r, 400)
     assert err["code"] == "context_length_exceeded" and "256" in err["message"]
     print({k: round(v - t0, 3) for k, v in sorted(times.items(), key=lambda kv: kv[1])})
     _wait_idle(plain)
+
+
+def test_prompt_too_long_by_its_length_alone_is_refused_without_tokenizing(
+        plain, monkeypatch, embedded_checkpoint):
+    """A prompt longer than the bound never reaches the chat template or the tokenizer
+    (10 MB would cost ~10 s of CPU); the error is the usual context-length 400."""
+    import flare.server.app as app_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the over-long prompt reached the tokenizer")
+
+    monkeypatch.setattr(app_module, "chat_prompt_ids", never)
+    monkeypatch.setattr(embedded_checkpoint.tokenizer, "encode", never)
+    too_long = _longest_prompt_tokenized(embedded_checkpoint.tokenizer) + 1
+    r = plain.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "system", "content": "x" * (too_long // 2)},
+                                     *_user("y" * (too_long - too_long // 2))]})
+    err = _error(r, 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
+    assert f"{too_long:,} characters" in err["message"]
+    r = plain.post("/v1/completions", json={"model": MODEL, "prompt": "z" * too_long})
+    err = _error(r, 400)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
 
 
 def test_completion_prompt_encoding_errors_are_still_400s(plain):

@@ -35,3 +35,23 @@ def test_bad_limit_values_exit_2_with_one_line(flag, value, capsys):
 def test_settings_refuse_nonsense_limits(kwargs):
     with pytest.raises(ValueError):
         ServerSettings(**kwargs)
+
+
+def test_threads_and_log_level_flags():
+    args = build_parser().parse_args(["serve", "--embedded"])
+    assert (args.threads, args.log_level) == (None, "info")
+    args = build_parser().parse_args(["serve", "--embedded", "--threads", "1",
+                                      "--log-level", "debug"])
+    assert (args.threads, args.log_level) == (1, "debug")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--embedded", "--log-level", "loud"])
+
+
+def test_serving_threads_follow_the_package_but_never_exceed_the_cores():
+    from flare.prepare.package import _cpu_threads, serving_threads
+
+    cores, _ = _cpu_threads()
+    assert serving_threads({"torch_num_threads": 1}) == 1
+    assert serving_threads({"torch_num_threads": cores + 64}) == cores  # prepared elsewhere
+    assert serving_threads({}) == cores
+    assert serving_threads({"torch_num_threads": 1}, requested=3) == 3  # the user decides

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 
 from flare.server.guard import (
+    PromptBound,
     RequestGuard,
     ServerCounters,
     check_message_count,
@@ -218,3 +219,31 @@ def test_deadline_already_passed_starts_nothing():
 
     asyncio.run(main())
     assert not ticker.closed  # never started; closing an unstarted generator runs nothing
+
+
+# --------------------------------------------------------------------------- prompt bound
+
+
+@pytest.mark.parametrize("text", [
+    "#" * 5000,  # the vocabulary's longest strings are runs of '#' and of spaces
+    "\n" + " " * 8000,
+    "word " * 3000,
+    "naïve café ﬁ ｶﾞ 한국어 \u1100\u1161\u11a8 " * 200,  # composed/compatibility forms
+    "".join(chr(c) for c in range(0x20, 0x3000, 7)),
+])
+def test_prompt_bound_never_exceeds_the_real_token_count(embedded_checkpoint, text):
+    tok = embedded_checkpoint.tokenizer
+    bound = PromptBound(tok, max_seq_len=1)
+    real = len(tok.encode(text, add_special_tokens=False))
+    assert len(text) // (bound.longest * bound.SLACK) <= real
+    limited = PromptBound(tok, max_seq_len=real)  # the text fits exactly: never refused
+    limited.check(len(text), "prompt")
+
+
+def test_prompt_bound_refuses_text_longer_than_any_fitting_prompt(embedded_checkpoint):
+    bound = PromptBound(embedded_checkpoint.tokenizer, max_seq_len=8)
+    bound.check(bound.max_chars, "prompt")
+    with pytest.raises(ApiError) as e:
+        bound.check(bound.max_chars + 1, "messages")
+    assert e.value.status_code == 400 and e.value.param == "messages"
+    assert "maximum context length is 8 tokens" in str(e.value)

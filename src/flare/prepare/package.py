@@ -137,6 +137,21 @@ def _cpu_threads() -> tuple[int, str]:
     return os.cpu_count() or 1, "os.cpu_count()"
 
 
+def serving_threads(tuning: Mapping[str, Any], requested: int | None = None) -> int:
+    """Threads of torch's intra-op pool for serving a CPU package.
+
+    `requested` when given (flare serve --threads); else the package's tuning
+    `torch_num_threads`, at most the cores this process may run on now (the package may
+    have been prepared where more cores were free). More threads than cores makes OpenMP
+    threads wait on each other at every barrier: decode steps 10-50x slower were seen with
+    two threads on two busy cores.
+    """
+    if requested is not None:
+        return requested
+    cores, _ = _cpu_threads()
+    return max(1, min(int(tuning.get("torch_num_threads") or cores), cores))
+
+
 def tuning_for(device: str, plan: CapacityPlan) -> dict[str, Any]:
     """Tuning choices recorded in the manifest. Nothing is measured yet: the dict says so."""
     if torch.device(device).type == "cpu":

@@ -62,7 +62,8 @@ from flare.server.grammar import (
     json_grammar,
     tool_call_grammar,
 )
-from flare.server.guard import RequestGuard, ServerCounters, check_message_count, with_deadline
+from flare.server.guard import (PromptBound, RequestGuard, ServerCounters, check_message_count,
+                               with_deadline)
 from flare.server.logprobs import chat_logprobs, completion_logprobs
 from flare.server.protocol import (
     ApiError,
@@ -253,6 +254,7 @@ def create_app(
     registry.register(_EngineCollector(engine))
     counters = ServerCounters()
     registry.register(counters)
+    prompt_bound = PromptBound(engine.tokenizer, engine.plan.max_seq_len)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -473,6 +475,7 @@ def create_app(
         check_model(body.model)
         check_n(body.n)
         check_message_count(len(body.messages), settings.max_messages)
+        prompt_bound.check(sum(len(m.content or "") for m in body.messages), "messages")
         mode = body.tool_mode
         tools = body.tools if mode != "none" else None
         try:  # off the event loop: a multi-MB prompt takes seconds to render and tokenize
@@ -501,6 +504,7 @@ def create_app(
         check_n(body.n)
         tokenizer = engine.tokenizer
         if isinstance(body.prompt, str):
+            prompt_bound.check(len(body.prompt), "prompt")
             try:
                 prompt_ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt))
             except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape
@@ -541,7 +545,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", *, prefix_cache: bool = True,
           shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
           restore_cost_factor: float = 0.5, save_state_on_shutdown: bool = False,
-          max_pinned_pages: int | None = None, **settings: Any) -> None:
+          max_pinned_pages: int | None = None, threads: int | None = None,
+          **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
@@ -561,15 +566,17 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
             prepare, manifest tuning).
         save_state_on_shutdown: at exit, write every cached state to the disk tier.
         max_pinned_pages: most KV pages named sessions may pin (None: a quarter of the pool).
+        threads: torch intra-op threads (None: `serving_threads` of the package's tuning).
         **settings: `ServerSettings` fields.
 
     Raises:
         TypeError: an unknown setting.
         Whatever `load_package` raises for a package this build cannot serve.
     """
+    import torch
     import uvicorn
 
-    from flare.prepare.package import load_package
+    from flare.prepare.package import load_package, serving_threads
     from flare.runtime.async_engine import AsyncEngine
     from flare.runtime.engine import Engine
 
@@ -577,6 +584,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
 
     server_settings = ServerSettings(**settings)
     package = load_package(package_path)
+    if package.manifest.device_class == "cpu" or threads is not None:
+        torch.set_num_threads(serving_threads(package.manifest.tuning, threads))
     policy = cost_policy_from_tuning(package.manifest.tuning, restore_cost_factor)
     engine = Engine.from_package(package, prefix_cache=prefix_cache, cost_policy=policy,
                                  state_dir=state_dir, max_pinned_pages=max_pinned_pages)

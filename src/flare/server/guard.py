@@ -18,6 +18,10 @@ Limits the routes apply once the body is parsed (helpers below):
 
 - 400 `array_above_max_length`: a chat request with more messages than `--max-messages`
   (`check_message_count`).
+- 400 `context_length_exceeded` before tokenizing: a prompt whose text is so long that it
+  cannot fit the context whatever its tokens (`PromptBound`); a 10 MB prompt is refused in
+  microseconds instead of seconds of tokenizer time. Shorter prompts are tokenized and
+  checked exactly.
 - 504 `request_timeout`: the request ran longer than `--request-timeout` seconds, counted
   from its arrival (`with_deadline`). Its engine requests are aborted, which frees their
   pages; a stream that has begun gets the error as an event, then `[DONE]`. 504 and not
@@ -106,6 +110,47 @@ def check_message_count(num_messages: int, limit: int) -> None:
         raise ApiError(400, f"messages has {num_messages} entries; this server accepts at "
                             f"most {limit} per request (flare serve --max-messages).",
                        param="messages", code="array_above_max_length")
+
+
+class PromptBound:
+    """A lower bound on a text's token count, from its length alone.
+
+    One token decodes to at most `longest` characters, the length of the longest string in
+    the vocabulary (byte-level BPE writes one character per byte, SentencePiece one per
+    character or a longer `<0xNN>` per byte), so a text of C characters has at least
+    C / longest tokens. A tokenizer's normalizer may shorten text before it is split
+    (Unicode composition joins up to three code points into one), hence `SLACK`: the bound
+    used is C / (longest * SLACK), which never exceeds the true count.
+
+    Args:
+        tokenizer: a transformers tokenizer (`get_vocab()` maps token strings to ids).
+        max_seq_len: the package's context length, tokens.
+    """
+
+    SLACK = 4
+
+    def __init__(self, tokenizer: Any, max_seq_len: int) -> None:
+        self.longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_seq_len = max_seq_len
+
+    @property
+    def max_chars(self) -> int:
+        """Longest text, in characters, that may still fit the context."""
+        return self.max_seq_len * self.longest * self.SLACK
+
+    def check(self, num_chars: int, param: str) -> None:
+        """Refuse text of `num_chars` characters that cannot fit the context.
+
+        Raises:
+            ApiError: 400 `context_length_exceeded` naming the bound.
+        """
+        if num_chars > self.max_chars:
+            at_least = num_chars // (self.longest * self.SLACK)
+            raise ApiError(400, f"This model's maximum context length is {self.max_seq_len} "
+                                f"tokens. However, your prompt has {num_chars:,} characters, "
+                                f"at least {at_least:,} tokens (one token is at most "
+                                f"{self.longest} characters).",
+                           param=param, code="context_length_exceeded")
 
 
 async def with_deadline(stream: AsyncIterator[T], deadline: float, timeout_s: float,

@@ -79,6 +79,20 @@ def _flip(path: Path, offset: int) -> None:
 
 # ---- round trips --------------------------------------------------------------------------
 
+def test_contains_many_answers_as_contains_for_each_key(tmp_path):
+    stored = [_record("page", seed=s) for s in range(0, 1200, 2)]  # 600: two IN queries
+    absent = [_record("page", seed=s).key for s in range(1, 40, 2)]
+    with _tier(tmp_path, budget=1 << 26) as tier:
+        for r in stored:
+            assert tier.put(r)
+        keys = [r.key for r in stored] + absent
+        assert tier.contains_many(keys) == {k for k in keys if tier.contains(k)}
+        assert tier.contains_many(keys) == {r.key for r in stored}
+        assert tier.contains_many([]) == set()
+    with _tier(tmp_path, namespace=OTHER_NS, budget=1 << 26) as other:  # not ours
+        assert other.contains_many([r.key for r in stored]) == set()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["page", "tail", "checkpoint"])
 def test_round_trip_of_each_kind_survives_reopen(tmp_path, kind, dtype):

@@ -365,12 +365,16 @@ class TierStore:
 
     # ---- locate -------------------------------------------------------------------------
 
-    def _where(self, key: bytes) -> str | None:
-        if key in self.host or key in self._outbox:
-            return "host"
-        if self.disk is not None and self.disk.contains(key):
-            return "disk"
-        return None
+    def _tiers_of(self, keys: list[bytes]) -> list[str | None]:
+        """The tier holding each key ("host", "disk" or None); the disk index is asked
+        once for all keys not on the host."""
+        tiers: list[str | None] = ["host" if k in self.host or k in self._outbox else None
+                                   for k in keys]
+        missing = [k for k, t in zip(keys, tiers) if t is None]
+        if missing and self.disk is not None:
+            on_disk = self.disk.contains_many(missing)
+            tiers = [t or ("disk" if k in on_disk else None) for k, t in zip(keys, tiers)]
+        return tiers
 
     def _children(self, parent: bytes, kind: str) -> list[tuple[bytes, tuple[int, ...], int, str]]:
         """(key, tokens, position, tier) of tail or checkpoint records under `parent`."""
@@ -386,10 +390,12 @@ class TierStore:
         """Full pages past position `pos` (after `parent`'s chain) held by a tier, then
         the tail record sharing the most tokens with the request."""
         ps, parts = self.page_size, []
-        while pos + ps <= limit:
-            chunk = tuple(tokens[pos:pos + ps])
-            key = page_key(parent, chunk)
-            tier = self._where(key)
+        keys, chunks, prev = [], [], parent  # every full page up to `limit`, in order
+        for start in range(pos, limit - ps + 1, ps):
+            chunks.append(tuple(tokens[start:start + ps]))
+            prev = page_key(prev, chunks[-1])
+            keys.append(prev)
+        for key, chunk, tier in zip(keys, chunks, self._tiers_of(keys)):
             if tier is None:
                 break
             parts.append(_Part(key, PAGE, parent, chunk, pos + ps, tier))

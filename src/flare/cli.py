@@ -21,56 +21,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+
+from flare.cliutil import (OneLineParser, non_negative_int, port, positive_int,
+                           positive_seconds)
 
 EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors are one line (no usage dump), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 1..65535, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
 
 
 def default_cache_dir() -> Path:
@@ -83,34 +38,34 @@ def default_cache_dir() -> Path:
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("capacity plan")
-    g.add_argument("--max-seq-len", type=_positive_int, default=None,
+    g.add_argument("--max-seq-len", type=positive_int, default=None,
                    help="most tokens of one sequence (default: model context, at most 8192)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=8,
+    g.add_argument("--max-num-seqs", type=positive_int, default=8,
                    help="most concurrent sequences (default 8)")
-    g.add_argument("--page-size", type=_positive_int, default=16,
+    g.add_argument("--page-size", type=positive_int, default=16,
                    help="tokens per KV page (default 16)")
-    g.add_argument("--num-pages", type=_positive_int, default=None,
+    g.add_argument("--num-pages", type=positive_int, default=None,
                    help="KV pages in the pool (default: max-num-seqs full sequences)")
-    g.add_argument("--max-batch-tokens", type=_positive_int, default=512,
+    g.add_argument("--max-batch-tokens", type=positive_int, default=512,
                    help="most tokens per engine step (default 512)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="serving dtype (default float32)")
-    g.add_argument("--host-tier-mib", type=_non_negative_int, default=None,
+    g.add_argument("--host-tier-mib", type=non_negative_int, default=None,
                    help="host memory for conversation states pushed out of the KV pool, MiB "
                         "(default 1024; 0 = none)")
-    g.add_argument("--disk-tier-mib", type=_non_negative_int, default=None,
+    g.add_argument("--disk-tier-mib", type=non_negative_int, default=None,
                    help="disk for states pushed out of the host tier, MiB (default 8192; "
                         "0 = none; the folder is serve's --state-dir)")
 
 
 def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=port, default=8000, help="TCP port (default 8000)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="flare", description="Local LLM inference server.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="flare", description="Local LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     prep = sub.add_parser("prepare", help="build a runtime package from a model")
     prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
@@ -122,12 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "Default: fp16 where it applies, else full")
     _add_plan_options(prep)
     ck = prep.add_argument_group("checkpoints (hybrid recipes: Qwen3.5, LFM2)")
-    ck.add_argument("--checkpoint-interval", type=_non_negative_int, default=None,
+    ck.add_argument("--checkpoint-interval", type=non_negative_int, default=None,
                     metavar="TOKENS",
                     help="checkpoint the layer states every this many tokens of a prefill, "
                          "besides the end of each prompt and generation (default 256; 0 = "
                          "only those); refused for KV-only recipes")
-    ck.add_argument("--checkpoint-slots", type=_non_negative_int, default=None, metavar="N",
+    ck.add_argument("--checkpoint-slots", type=non_negative_int, default=None, metavar="N",
                     help="state slots kept for checkpoints, besides one per sequence "
                          "(default 2 x --max-num-seqs; 0 = none); refused for KV-only recipes")
 
@@ -152,13 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body accepted, bytes (default 16 MiB; 413 beyond)")
     serve.add_argument("--max-queue", type=int, default=256,
                        help="most requests waiting for the engine before 429 (default 256)")
-    serve.add_argument("--max-messages", type=_positive_int, default=2048,
+    serve.add_argument("--max-messages", type=positive_int, default=2048,
                        help="most messages in one chat request (default 2048; 400 beyond)")
-    serve.add_argument("--request-timeout", type=_positive_float, default=None,
+    serve.add_argument("--request-timeout", type=positive_seconds, default=None,
                        metavar="SECONDS",
                        help="abort a request this long after it arrived: 504, or an error "
                             "event in a started stream (default: no limit)")
-    serve.add_argument("--threads", type=_positive_int, default=None,
+    serve.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads of the engine's tensor operations (default: the "
                             "package's tuning, at most the cores this process may use)")
     serve.add_argument("--log-level", default="info",
@@ -171,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder of the disk tier of conversation states, kept across "
                             "restarts (default with --embedded: CACHE_DIR/state; otherwise "
                             "none)")
-    serve.add_argument("--max-pinned-pages", type=_non_negative_int, default=None,
+    serve.add_argument("--max-pinned-pages", type=non_negative_int, default=None,
                        help="most KV pages the named sessions' latest states may pin on the "
                             "device together (default: a quarter of the pool; 400 beyond)")
     serve.add_argument("--save-state-on-shutdown", action="store_true",

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import jsonschema
 import pytest
-from server_thread import ServerThread
+from server_thread import embedded_server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -59,20 +59,8 @@ PERSON = {
 # --------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def server(embedded_checkpoint):
-    from flare.prepare.plan import make_plan
-    from flare.runtime.async_engine import AsyncEngine
-    from flare.runtime.engine import Engine
-    from flare.server.app import ServerSettings
-
-    ck = embedded_checkpoint
-    plan = make_plan(ck.config, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-    engine = Engine(ck.config, plan, ck.tensors, ck.tokenizer)
-    srv = ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-agent"),
-                        ServerSettings(tool_parser="auto"))
-    yield srv
-    srv.stop()
+server = embedded_server_fixture(max_seq_len=MAX_SEQ_LEN, model=MODEL,
+                                package_id="pkg-agent", tool_parser="auto")
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from server_thread import ServerThread
+from http_helpers import http_client_fixture, wait_idle
+from server_thread import embedded_server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -39,40 +39,13 @@ RAW_EXAMPLES = max(30, SCHEMA_EXAMPLES // 4)
 FUZZ_SETTINGS = dict(derandomize=True, database=None, deadline=None,
                      phases=[Phase.explicit, Phase.generate],
                      suppress_health_check=list(HealthCheck))
+IDLE_TIMEOUT_S = 15.0  # for the engine to free every page after a run
 
 
-@pytest.fixture(scope="module")
-def server(embedded_checkpoint):
-    from flare.prepare.plan import make_plan
-    from flare.runtime.async_engine import AsyncEngine
-    from flare.runtime.engine import Engine
-    from flare.server.app import ServerSettings
+server = embedded_server_fixture(max_seq_len=MAX_SEQ_LEN, model=MODEL, package_id="pkg-test",
+                                max_n=2, max_messages=64, max_body_bytes=256 * 1024)
 
-    ck = embedded_checkpoint
-    plan = make_plan(ck.config, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-    engine = Engine(ck.config, plan, ck.tensors, ck.tokenizer)
-    srv = ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-test"),
-                       ServerSettings(max_n=2, max_messages=64, max_body_bytes=256 * 1024))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-def _wait_idle(client: httpx.Client, timeout: float = 15.0) -> dict:
-    """/debug/state once no request holds a page (only the prefix cache may)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = client.get("/debug/state").json()
-        if (state["num_running"] == 0 and state["num_waiting"] == 0
-                and state["pages_used"] == state.get("prefix_cache_pages", 0)):
-            return state
-        assert time.monotonic() < deadline, f"engine not idle: {state}"
-        time.sleep(0.05)
+client = http_client_fixture(timeout=60)
 
 
 # --------------------------------------------------------------------------- properties
@@ -138,7 +111,7 @@ def _after_run(client: httpx.Client, baseline: dict) -> dict:
         "model": MODEL, "messages": [{"role": "user", "content": "Say hi."}],
         "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
-    state = _wait_idle(client)
+    state = wait_idle(client, IDLE_TIMEOUT_S)
     assert state["pages_used"] + state["pages_free"] == state["pages_total"], state
     assert state["failed_steps_total"] == baseline["failed_steps_total"], state
     return state
@@ -160,7 +133,7 @@ def test_schema_fuzz_no_5xx_and_openai_shaped_errors(server, client):
                   for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
     strategies += [schema[p]["GET"].as_strategy()
                    for p in ("/v1/models", "/health", "/metrics", "/debug/state")]
-    baseline = _wait_idle(client)
+    baseline = wait_idle(client, IDLE_TIMEOUT_S)
     seen: dict[int, int] = {}
 
     @settings(max_examples=SCHEMA_EXAMPLES, **FUZZ_SETTINGS)
@@ -221,7 +194,7 @@ def raw_bodies(draw) -> bytes:
 
 
 def test_raw_body_fuzz_no_5xx_and_openai_shaped_errors(server, client):
-    baseline = _wait_idle(client)
+    baseline = wait_idle(client, IDLE_TIMEOUT_S)
     seen: dict[int, int] = {}
 
     @settings(max_examples=RAW_EXAMPLES, **FUZZ_SETTINGS)

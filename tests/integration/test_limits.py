@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_thread import ServerThread
+from http_helpers import error_of, user, wait_idle
+from server_thread import embedded_server
 
 pytestmark = pytest.mark.slow
 
@@ -26,52 +27,21 @@ TIMEOUT_S = 1.0
 LONG = {"temperature": 0, "max_tokens": 480, "ignore_eos": True}  # seconds of CPU decode
 
 
-def _server(checkpoint, max_seq_len, settings):
-    from flare.prepare.plan import make_plan
-    from flare.runtime.async_engine import AsyncEngine
-    from flare.runtime.engine import Engine
-
-    plan = make_plan(checkpoint.config, max_seq_len=max_seq_len, max_num_seqs=4)
-    engine = Engine(checkpoint.config, plan, checkpoint.tensors, checkpoint.tokenizer)
-    return ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-test"),
-                        settings)
-
-
 @pytest.fixture(scope="module")
 def limited(embedded_checkpoint):
-    from flare.server.app import ServerSettings
-
-    srv = _server(embedded_checkpoint, 512, ServerSettings(max_messages=MAX_MESSAGES,
-                                                           request_timeout_s=TIMEOUT_S))
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
+    with (embedded_server(embedded_checkpoint, max_seq_len=512, model=MODEL,
+                          package_id="pkg-test", max_messages=MAX_MESSAGES,
+                          request_timeout_s=TIMEOUT_S) as srv,
+          httpx.Client(base_url=srv.url, timeout=60) as client):
         yield client
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
 def plain(embedded_checkpoint):
-    from flare.server.app import ServerSettings
-
-    srv = _server(embedded_checkpoint, PLAIN_MAX_SEQ_LEN, ServerSettings())
-    with httpx.Client(base_url=srv.url, timeout=60) as client:
+    with (embedded_server(embedded_checkpoint, max_seq_len=PLAIN_MAX_SEQ_LEN, model=MODEL,
+                          package_id="pkg-test") as srv,
+          httpx.Client(base_url=srv.url, timeout=60) as client):
         yield client
-    srv.stop()
-
-
-def _user(content: str) -> list[dict]:
-    return [{"role": "user", "content": content}]
-
-
-def _wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict:
-    """/debug/state once no request holds a page (only the prefix cache may)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = client.get("/debug/state").json()
-        if (state["num_running"] == 0 and state["num_waiting"] == 0
-                and state["pages_used"] == state.get("prefix_cache_pages", 0)):
-            return state
-        assert time.monotonic() < deadline, f"engine not idle: {state}"
-        time.sleep(0.05)
 
 
 def _metrics(client: httpx.Client) -> dict[str, float]:
@@ -81,29 +51,22 @@ def _metrics(client: httpx.Client) -> dict[str, float]:
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
 
 
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"]
-    return err
-
-
 # --------------------------------------------------------------------------- messages
 
 
 def test_more_messages_than_the_limit_is_a_400_naming_count_and_limit(limited):
     many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"}
             for i in range(MAX_MESSAGES + 1)]
-    err = _error(limited.post("/v1/chat/completions", json={"model": MODEL, "messages": many}),
-                 400)
+    err = error_of(limited.post("/v1/chat/completions",
+                                json={"model": MODEL, "messages": many}), 400)
     assert err["code"] == "array_above_max_length" and err["param"] == "messages"
     assert f"{MAX_MESSAGES + 1} entries" in err["message"]
     assert f"at most {MAX_MESSAGES}" in err["message"]
     # exactly the limit passes the count check: what refuses it next is the context length
     # (a long conversation, so no generation runs here)
     at_limit = [dict(m, content="hello " * 300) for m in many[:MAX_MESSAGES]]
-    err = _error(limited.post("/v1/chat/completions",
-                              json={"model": MODEL, "messages": at_limit}), 400)
+    err = error_of(limited.post("/v1/chat/completions",
+                                json={"model": MODEL, "messages": at_limit}), 400)
     assert err["code"] == "context_length_exceeded"
 
 
@@ -111,17 +74,17 @@ def test_more_messages_than_the_limit_is_a_400_naming_count_and_limit(limited):
 
 
 def test_request_timeout_non_stream_is_a_504_frees_pages_and_is_counted(limited):
-    before = _wait_idle(limited)
+    before = wait_idle(limited)
     counted = _metrics(limited)
     t0 = time.monotonic()
     r = limited.post("/v1/chat/completions",
-                     json={"model": MODEL, "messages": _user("Tell me a long story."), **LONG})
+                     json={"model": MODEL, "messages": user("Tell me a long story."), **LONG})
     elapsed = time.monotonic() - t0
-    err = _error(r, 504)
+    err = error_of(r, 504)
     assert err["code"] == "request_timeout" and err["type"] == "server_error"
     assert f"{TIMEOUT_S:g} s" in err["message"]
     assert TIMEOUT_S * 0.9 <= elapsed < 30, elapsed
-    after = _wait_idle(limited)
+    after = wait_idle(limited)
     assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < LONG[
         "max_tokens"]
@@ -133,9 +96,9 @@ def test_request_timeout_non_stream_is_a_504_frees_pages_and_is_counted(limited)
 
 
 def test_request_timeout_in_a_stream_is_an_error_event_then_done(limited):
-    before = _wait_idle(limited)
+    before = wait_idle(limited)
     timeouts = _metrics(limited)["flare_request_timeouts_total"]
-    body = {"model": MODEL, "messages": _user("Tell me another long story."), "stream": True,
+    body = {"model": MODEL, "messages": user("Tell me another long story."), "stream": True,
             **LONG}
     with limited.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200  # the stream began before the deadline
@@ -145,13 +108,13 @@ def test_request_timeout_in_a_stream_is_an_error_event_then_done(limited):
     last = json.loads(events[-2])
     assert last["error"]["code"] == "request_timeout", last
     assert all("error" not in json.loads(e) for e in events[:-2])
-    after = _wait_idle(limited)
+    after = wait_idle(limited)
     assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
     assert _metrics(limited)["flare_request_timeouts_total"] == timeouts + 1
 
 
 def test_a_short_request_within_the_timeout_is_untouched(limited):
-    r = limited.post("/v1/chat/completions", json={"model": MODEL, "messages": _user("Hi."),
+    r = limited.post("/v1/chat/completions", json={"model": MODEL, "messages": user("Hi."),
                                                    "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
@@ -200,8 +163,8 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
         return ids
 
     monkeypatch.setattr(app_module, "chat_prompt_ids", held)
-    huge = {"model": MODEL, "messages": _user("word " * (huge_chars // 5)), "max_tokens": 4}
-    small = {"model": MODEL, "messages": _user("Say hi."), "max_tokens": 8, "temperature": 0,
+    huge = {"model": MODEL, "messages": user("word " * (huge_chars // 5)), "max_tokens": 4}
+    small = {"model": MODEL, "messages": user("Say hi."), "max_tokens": 8, "temperature": 0,
              "stream": True}
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
@@ -224,10 +187,10 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
         r = pending.result(60)
     times["huge_answered"] = time.monotonic()
     # error handling is unchanged: the ~16k-token prompt is refused, naming its size
-    err = _error(r, 400)
+    err = error_of(r, 400)
     assert err["code"] == "context_length_exceeded" and "256" in err["message"]
     print({k: round(v - t0, 3) for k, v in sorted(times.items(), key=lambda kv: kv[1])})
-    _wait_idle(plain)
+    wait_idle(plain)
 
 
 def test_prompt_too_long_by_its_length_alone_is_refused_without_tokenizing(
@@ -244,21 +207,21 @@ def test_prompt_too_long_by_its_length_alone_is_refused_without_tokenizing(
     too_long = _longest_prompt_tokenized(embedded_checkpoint.tokenizer) + 1
     r = plain.post("/v1/chat/completions", json={
         "model": MODEL, "messages": [{"role": "system", "content": "x" * (too_long // 2)},
-                                     *_user("y" * (too_long - too_long // 2))]})
-    err = _error(r, 400)
+                                     *user("y" * (too_long - too_long // 2))]})
+    err = error_of(r, 400)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "messages")
     assert f"{too_long:,} characters" in err["message"]
     r = plain.post("/v1/completions", json={"model": MODEL, "prompt": "z" * too_long})
-    err = _error(r, 400)
+    err = error_of(r, 400)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
 
 
 def test_completion_prompt_encoding_errors_are_still_400s(plain):
     r = plain.post("/v1/completions", content=b'{"model": "smollm2-test", "prompt": "\\ud800"}',
                    headers={"content-type": "application/json"})
-    err = _error(r, 400)
+    err = error_of(r, 400)
     assert err["param"] == "prompt"
     r = plain.post("/v1/chat/completions", content=(
         b'{"model": "smollm2-test", "messages": [{"role": "user", "content": "\\udfff"}]}'),
         headers={"content-type": "application/json"})
-    assert _error(r, 400)["param"].startswith("messages")
+    assert error_of(r, 400)["param"].startswith("messages")

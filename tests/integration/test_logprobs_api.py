@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
-from server_thread import ServerThread
+from http_helpers import http_client_fixture
+from server_thread import embedded_server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -22,26 +22,10 @@ MAX_SEQ_LEN = 512
 ASK = [{"role": "user", "content": "List three colors."}]
 
 
-@pytest.fixture(scope="module")
-def server(embedded_checkpoint):
-    from flare.prepare.plan import make_plan
-    from flare.runtime.async_engine import AsyncEngine
-    from flare.runtime.engine import Engine
-    from flare.server.app import ServerSettings
+server = embedded_server_fixture(max_seq_len=MAX_SEQ_LEN, model=MODEL, package_id="pkg-lp",
+                                max_n=4)
 
-    ckpt = embedded_checkpoint
-    plan = make_plan(ckpt.config, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-    engine = Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
-    srv = ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-lp"),
-                       ServerSettings(max_n=4))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
+client = http_client_fixture(timeout=120)
 
 
 @pytest.fixture(scope="module")

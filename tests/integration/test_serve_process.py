@@ -23,6 +23,7 @@ import time
 import httpx
 import openai
 import pytest
+from http_helpers import error_of, http_client_fixture, user, wait_state
 from server_process import EXIT_TIMEOUT_S, ServerProcess, _flare_command, _free_port
 
 pytestmark = pytest.mark.slow
@@ -47,10 +48,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
+http = http_client_fixture(name="http", timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +56,6 @@ def tokenizer(smollm2_package):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_package), local_files_only=True)
-
-
-def _messages(content: str) -> list[dict]:
-    return [{"role": "user", "content": content}]
 
 
 def _prompt_tokens(tokenizer, messages) -> int:
@@ -74,17 +68,6 @@ def _prompt_tokens(tokenizer, messages) -> int:
 def _counts(usage) -> tuple[int, int, int]:
     # cached_tokens may differ between two runs of one prompt (prefix reuse): not compared.
     return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
-
-
-def _wait_state(http, pred, timeout: float = 10.0) -> dict:
-    """Poll /debug/state until `pred(state)`; fail naming the last state after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        state = http.get("/debug/state").json()
-        if pred(state):
-            return state
-        assert time.monotonic() < deadline, f"/debug/state never satisfied the check: {state}"
-        time.sleep(0.05)
 
 
 def _idle(state: dict) -> bool:
@@ -106,7 +89,7 @@ def test_models_and_health(client, http):
 
 
 def test_chat_non_stream_usage_exact(client, tokenizer):
-    messages = _messages(CODE_PROMPT)
+    messages = user(CODE_PROMPT)
     r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
                                        max_tokens=24)
     choice = r.choices[0]
@@ -120,7 +103,7 @@ def test_chat_non_stream_usage_exact(client, tokenizer):
 
 
 def test_chat_stream_usage_chunk(client, tokenizer):
-    messages = _messages(MULTIBYTE_PROMPT)
+    messages = user(MULTIBYTE_PROMPT)
     kw = dict(model=MODEL, messages=messages, temperature=0, max_tokens=40)
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(
@@ -142,7 +125,7 @@ def test_chat_stream_usage_chunk(client, tokenizer):
 
 
 def test_raw_stream_ends_with_done(http):
-    body = {"model": MODEL, "messages": _messages("Say hi."), "temperature": 0,
+    body = {"model": MODEL, "messages": user("Say hi."), "temperature": 0,
             "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -157,9 +140,9 @@ def test_raw_stream_ends_with_done(http):
 
 
 def test_disconnect_mid_stream_frees_pages(http, server):
-    before = _wait_state(http, _idle)
+    before = wait_state(http, _idle)
     assert _sequence_pages(before) == 0, before
-    body = {"model": MODEL, "messages": _messages("Tell me a very long story."),
+    body = {"model": MODEL, "messages": user("Tell me a very long story."),
             "temperature": 0, "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=120) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -175,52 +158,46 @@ def test_disconnect_mid_stream_frees_pages(http, server):
             assert during["num_running"] == 1, (during, seen)
             assert _sequence_pages(during) > 0, during  # it holds pages of its own
         # leaving both blocks closed the connection with ~1,500 tokens still to go
-    after = _wait_state(http, lambda s: _idle(s) and _sequence_pages(s) == 0)
+    after = wait_state(http, lambda s: _idle(s) and _sequence_pages(s) == 0)
     assert after["pages_used"] + after["pages_free"] == after["pages_total"]
     assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < 1500
-
-
-def _error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
-    return err
 
 
 def test_errors_then_keeps_serving(client, http):
     # malformed JSON body
     r = http.post("/v1/chat/completions", content=b'{"model": "x", "messages": [',
                   headers={"content-type": "application/json"})
-    assert _error(r, 400)["type"] == "invalid_request_error"
+    assert error_of(r, 400, extra_fields_ok=True)["type"] == "invalid_request_error"
 
     # unknown model: 404 through the SDK too
     with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="no-such-model", messages=_messages("hi"))
+        client.chat.completions.create(model="no-such-model", messages=user("hi"))
     assert e.value.status_code == 404 and e.value.code == "model_not_found"
-    err = _error(http.post("/v1/chat/completions",
-                           json={"model": "no-such-model", "messages": _messages("hi")}), 404)
+    err = error_of(http.post("/v1/chat/completions",
+                             json={"model": "no-such-model", "messages": user("hi")}), 404,
+                   extra_fields_ok=True)
     assert "no-such-model" in err["message"]
 
     # a prompt of more than max_seq_len (2048) tokens: refused, never cut
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=_messages("hello " * 2100))
+        client.chat.completions.create(model=MODEL, messages=user("hello " * 2100))
     assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
     assert "2048" in e.value.message
 
     # negative max_tokens
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=_messages("hi"), max_tokens=-1)
+        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=-1)
     assert e.value.status_code == 400
-    err = _error(http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": _messages("hi"), "max_tokens": -1}), 400)
+    err = error_of(http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": user("hi"), "max_tokens": -1}), 400, extra_fields_ok=True)
     assert err["param"] == "max_tokens"
 
     # still serving, and nothing left holding pages
-    r = client.chat.completions.create(model=MODEL, messages=_messages("Say hi."),
+    r = client.chat.completions.create(model=MODEL, messages=user("Say hi."),
                                        temperature=0, max_tokens=4)
     assert r.choices[0].message.content
-    state = _wait_state(http, _idle)
+    state = wait_state(http, _idle)
     assert _sequence_pages(state) == 0, state
 
 
@@ -261,7 +238,7 @@ def test_sigterm_exits_zero(server, http):
     """Runs last: it stops the module's server. A stream in flight when SIGTERM arrives
     is finished (graceful shutdown), then the process exits with status 0."""
     assert server.proc.poll() is None
-    body = {"model": MODEL, "messages": _messages(CODE_PROMPT), "temperature": 0,
+    body = {"model": MODEL, "messages": user(CODE_PROMPT), "temperature": 0,
             "max_tokens": 48, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:

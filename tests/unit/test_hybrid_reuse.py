@@ -16,15 +16,12 @@ import random
 import pytest
 
 from flare.runtime.engine import Engine
-from flare.runtime.request import GenerationRequest, SamplingParams
+from flare.runtime.request import GenerationRequest
 from flare.state.slots import StateSlotPool
+from engine_helpers import assert_one_step_batch_equals_cold, greedy, run, words
 from hybrid_models import PAGE, RECIPES, build_tiny_hybrid
 
 EVERY = 32  # checkpoint interval of these tests (two pages)
-
-
-def greedy(n: int = 12) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module", params=RECIPES)
@@ -49,16 +46,6 @@ def make_engine(tiny, prefix_cache: bool = True, **plan_changes) -> Engine:
 @pytest.fixture(scope="module")
 def cold(tiny):
     return make_engine(tiny, prefix_cache=False)
-
-
-def run(engine: Engine, ids: list[int], params: SamplingParams | None = None):
-    outs = engine.run_until_idle([GenerationRequest("r", ids, params or greedy())])["r"]
-    return sum((o.token_ids for o in outs), []), outs[-1]
-
-
-def words(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def assert_idle_accounting(engine: Engine) -> None:
@@ -262,12 +249,7 @@ def test_requests_in_one_step_never_read_unpublished_state(tiny, cold):
     """Case state-publish-after-compute: 8 requests share a 128-token prefix and arrive
     together; each answer equals its answer alone."""
     engine = make_engine(tiny, max_batch_tokens=512)
-    prefix = words(128, seed=14)
-    prompts = [prefix + words(5, seed=100 + i) for i in range(8)]
-    outs = engine.run_until_idle([GenerationRequest(str(i), p, greedy(16))
-                                  for i, p in enumerate(prompts)])
-    for i, p in enumerate(prompts):
-        assert sum((o.token_ids for o in outs[str(i)]), []) == run(cold, p, greedy(16))[0]
+    assert_one_step_batch_equals_cold(engine, cold)
     assert_idle_accounting(engine)
 
 

@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from flare.loading.checkpoint import load_checkpoint
-from flare.prepare.plan import make_plan
-from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams, TokenLogprob
 from flare.runtime.sampling import TokenHistory, sample
 from flare.server.logprobs import (
@@ -23,6 +21,7 @@ from flare.server.logprobs import (
     completion_logprobs,
     token_text,
 )
+from engine_helpers import output_tokens, small_engine
 
 PROMPT = "Paged attention stores keys and values in"
 
@@ -32,17 +31,8 @@ def tiny(tiny_qwen3_dir):
     return load_checkpoint(tiny_qwen3_dir)
 
 
-def _engine(ckpt) -> Engine:
-    plan = make_plan(ckpt.config, max_seq_len=256, max_num_seqs=4, max_batch_tokens=64)
-    return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
-
-
 def _greedy(**kw) -> SamplingParams:
     return SamplingParams(**{"max_tokens": 12, "temperature": 0, "ignore_eos": True, **kw})
-
-
-def _tokens(outs) -> list[int]:
-    return sum((o.token_ids for o in outs), [])
 
 
 def _logprobs(outs) -> list[TokenLogprob]:
@@ -86,9 +76,9 @@ def test_greedy_logprobs_equal_transformers_log_softmax(tiny, tiny_qwen3_dir):
     from transformers import AutoModelForCausalLM
 
     ids = tiny.tokenizer.encode(PROMPT)
-    outs = _engine(tiny).run_until_idle(
+    outs = small_engine(tiny).run_until_idle(
         [GenerationRequest("a", ids, _greedy(logprobs=5))])["a"]
-    got, lps = _tokens(outs), _logprobs(outs)
+    got, lps = output_tokens(outs), _logprobs(outs)
     assert [lp.token_id for lp in lps] == got and len(got) == 12
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -103,21 +93,21 @@ def test_greedy_logprobs_equal_transformers_log_softmax(tiny, tiny_qwen3_dir):
 
 
 def test_no_logprobs_unless_asked_and_none_for_the_stop_token(tiny):
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     ids = tiny.tokenizer.encode(PROMPT)
     plain = engine.run_until_idle([GenerationRequest("p", ids, _greedy())])["p"]
     assert all(o.logprobs is None for o in plain)
-    stop = _tokens(plain)[4]
+    stop = output_tokens(plain)[4]
     outs = engine.run_until_idle([GenerationRequest(
         "s", ids, _greedy(logprobs=0, stop_token_ids=(stop,)))])["s"]
-    assert outs[-1].finish_reason == "stop" and _tokens(outs)[-1] == stop
+    assert outs[-1].finish_reason == "stop" and output_tokens(outs)[-1] == stop
     lps = _logprobs(outs)
-    assert [lp.token_id for lp in lps] == _tokens(outs)[:-1]  # the stop token has none
+    assert [lp.token_id for lp in lps] == output_tokens(outs)[:-1]  # the stop token has none
     assert all(lp.top == () for lp in lps)  # logprobs=0: no alternatives
 
 
 def test_logprobs_in_a_batch_equal_logprobs_alone(tiny):
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     a = tiny.tokenizer.encode(PROMPT)
     b = tiny.tokenizer.encode("def add(a, b):\n    return")
     sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True,
@@ -156,7 +146,7 @@ def test_logprobs_under_a_constraint_are_over_the_allowed_tokens(tiny):
     req = GenerationRequest("c", tiny.tokenizer.encode(PROMPT),
                             SamplingParams(max_tokens=20, seed=3, logprobs=2),
                             constraint=ForcedTokens(forced))
-    lps = _logprobs(_engine(tiny).run_until_idle([req])["c"])
+    lps = _logprobs(small_engine(tiny).run_until_idle([req])["c"])
     assert [lp.token_id for lp in lps] == forced
     for lp in lps:  # one allowed token: probability 1; the rest are -inf
         assert lp.logprob == 0.0 and lp.top[0] == (lp.token_id, 0.0)

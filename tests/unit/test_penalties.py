@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from flare.loading.checkpoint import load_checkpoint
-from flare.prepare.plan import make_plan
-from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 from flare.runtime.sampling import (PenaltyCounts, TokenHistory, apply_logit_bias,
                                     apply_penalties, sample)
+from engine_helpers import output_tokens, small_engine
 
 PROMPT_AND_COMPLETION = TokenHistory([0, 1, 2, 2, 4], num_prompt_tokens=2)
 
@@ -124,17 +123,8 @@ def tiny(tiny_qwen3_dir):
     return load_checkpoint(tiny_qwen3_dir)
 
 
-def _engine(ckpt) -> Engine:
-    plan = make_plan(ckpt.config, max_seq_len=256, max_num_seqs=4, max_batch_tokens=64)
-    return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
-
-
-def _tokens(outs) -> list[int]:
-    return sum((o.token_ids for o in outs), [])
-
-
 def _run(engine, ids, params, rid="solo") -> list[int]:
-    return _tokens(engine.run_until_idle([GenerationRequest(rid, ids, params)])[rid])
+    return output_tokens(engine.run_until_idle([GenerationRequest(rid, ids, params)])[rid])
 
 
 def _greedy(**kw) -> SamplingParams:
@@ -144,7 +134,7 @@ def _greedy(**kw) -> SamplingParams:
 @pytest.fixture(scope="module")
 def repeating(tiny):
     """A prompt whose greedy answer repeats tokens, and that answer."""
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     for text in ("a a a a a a", "1, 2, 3, 4, 5,", "The weather in Paris is"):
         ids = tiny.tokenizer.encode(text)
         out = _run(engine, ids, _greedy())
@@ -155,7 +145,7 @@ def repeating(tiny):
 
 def test_strong_frequency_penalty_changes_a_repeating_greedy_answer(tiny, repeating):
     ids, plain = repeating
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     penalized = _run(engine, ids, _greedy(frequency_penalty=2.0))
     assert penalized != plain
     assert len(set(penalized)) > len(set(plain))  # fewer repeats
@@ -165,7 +155,7 @@ def test_strong_frequency_penalty_changes_a_repeating_greedy_answer(tiny, repeat
 
 def test_zero_penalties_give_exactly_the_unpenalized_answer(tiny, repeating):
     ids, plain = repeating
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     zero = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
     assert _run(engine, ids, _greedy(**zero)) == plain
     seeded = dict(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
@@ -175,7 +165,7 @@ def test_zero_penalties_give_exactly_the_unpenalized_answer(tiny, repeating):
 
 def test_a_penalized_request_leaves_its_batch_neighbours_unchanged(tiny, repeating):
     ids, plain = repeating
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     other = tiny.tokenizer.encode("def add(a, b):\n    return")
     other_alone = _run(engine, other, _greedy())
     strong = _greedy(frequency_penalty=2.0, presence_penalty=1.0, repetition_penalty=3.0)
@@ -183,15 +173,15 @@ def test_a_penalized_request_leaves_its_batch_neighbours_unchanged(tiny, repeati
     outs = engine.run_until_idle([GenerationRequest("pen", ids, strong),
                                   GenerationRequest("plain", ids, _greedy()),
                                   GenerationRequest("other", other, _greedy())])
-    assert _tokens(outs["plain"]) == plain
-    assert _tokens(outs["other"]) == other_alone
-    assert _tokens(outs["pen"]) == penalized_alone
+    assert output_tokens(outs["plain"]) == plain
+    assert output_tokens(outs["other"]) == other_alone
+    assert output_tokens(outs["pen"]) == penalized_alone
     engine.check_integrity()
 
 
 def test_logit_bias_bans_and_forces_tokens_in_the_engine(tiny, repeating):
     ids, plain = repeating
-    engine = _engine(tiny)
+    engine = small_engine(tiny)
     banned = _run(engine, ids, _greedy(logit_bias=((plain[0], -100.0),)))
     assert banned[0] != plain[0]
     target = next(t for t in range(5, 100) if t not in plain)
@@ -199,5 +189,5 @@ def test_logit_bias_bans_and_forces_tokens_in_the_engine(tiny, repeating):
     assert forced == [target] * len(forced)
     outs = engine.run_until_idle([GenerationRequest("bias", ids, _greedy(
         logit_bias=((target, 100.0),))), GenerationRequest("plain", ids, _greedy())])
-    assert _tokens(outs["plain"]) == plain and _tokens(outs["bias"]) == forced
+    assert output_tokens(outs["plain"]) == plain and output_tokens(outs["bias"]) == forced
     engine.check_integrity()

@@ -14,13 +14,10 @@ import pytest
 from flare.loading.checkpoint import load_checkpoint
 from flare.prepare.plan import make_plan
 from flare.runtime.engine import Engine
-from flare.runtime.request import GenerationRequest, SamplingParams
+from flare.runtime.request import GenerationRequest
+from engine_helpers import assert_one_step_batch_equals_cold, greedy, run, words
 
 PAGE = 16
-
-
-def greedy(n: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +35,6 @@ def make_engine(ckpt, prefix_cache: bool = True, **plan_kw) -> Engine:
 @pytest.fixture(scope="module")
 def cold(tiny):
     return make_engine(tiny, prefix_cache=False)
-
-
-def run(engine: Engine, ids: list[int], params: SamplingParams | None = None):
-    outs = engine.run_until_idle([GenerationRequest("r", ids, params or greedy())])["r"]
-    return sum((o.token_ids for o in outs), []), outs[-1]
-
-
-def words(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def assert_idle_accounting(engine: Engine) -> None:
@@ -138,12 +125,7 @@ def test_branches_stay_isolated(tiny, cold):
 def test_requests_in_one_step_never_read_unpublished_pages(tiny, cold):
     """Case state-publish-after-compute: 8 requests share a long prefix, arrive together."""
     engine = make_engine(tiny, max_batch_tokens=512)
-    prefix = words(128, seed=14)
-    prompts = [prefix + words(5, seed=100 + i) for i in range(8)]
-    outs = engine.run_until_idle([GenerationRequest(str(i), p, greedy(16))
-                                  for i, p in enumerate(prompts)])
-    for i, p in enumerate(prompts):
-        assert sum((o.token_ids for o in outs[str(i)]), []) == run(cold, p, greedy(16))[0]
+    assert_one_step_batch_equals_cold(engine, cold)
     assert_idle_accounting(engine)
 
 

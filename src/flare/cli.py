@@ -3,7 +3,7 @@
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
                                    --num-pages N --max-batch-tokens N --dtype D --name S
                                    --checkpoint-interval TOKENS --checkpoint-slots N
-                                   --weights full|fp16]
+                                   --weights full|fp16|q4]
     flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json]
     flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
@@ -22,18 +22,11 @@ import os
 import sys
 from pathlib import Path
 
+from flare.cache_dir import default_cache_dir
 from flare.cliutil import (OneLineParser, non_negative_int, port, positive_int,
                            positive_seconds)
 
 EXIT_USAGE = 2
-
-
-def default_cache_dir() -> Path:
-    """$FLARE_CACHE_DIR, else $XDG_CACHE_HOME/flare, else ~/.cache/flare."""
-    if env := os.environ.get("FLARE_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "flare"
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -71,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
     prep.add_argument("--out", required=True, type=Path, help="package folder to write")
     prep.add_argument("--name", default=None, help="model name (default: from the file)")
-    prep.add_argument("--weights", choices=["full", "fp16"], default=None,
-                      help="weight format of the linear layers: full (serving dtype) or fp16 "
-                           "(float16 weights, fbgemm GEMM; CPU, float32, Llama family). "
-                           "Default: fp16 where it applies, else full")
+    prep.add_argument("--weights", choices=["full", "fp16", "q4"], default=None,
+                      help="weight format of the linear layers: full (serving dtype), fp16 "
+                           "(float16 weights, fbgemm GEMM; CPU, float32, Llama family) or "
+                           "q4 (4-bit blocks, Flare's AVX2 kernel; same, on x86-64 with "
+                           "AVX2/FMA and a C++ compiler). Default: fp16 where it applies, "
+                           "else full")
     _add_plan_options(prep)
     ck = prep.add_argument_group("checkpoints (hybrid recipes: Qwen3.5, LFM2)")
     ck.add_argument("--checkpoint-interval", type=non_negative_int, default=None,

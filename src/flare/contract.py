@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 # (layout of tensors, kernels that read them): an old package is then refused.
 # 2: the 2-D weights of a `llama` package may be float16 under a float32 serving dtype
 #    (weight format `fp16`, tuning["weights"]), run by fbgemm's fp16 GEMM.
-EXECUTION_ABI: int = 2
+# 3: weight format `q4`: 4-bit / 8-bit block parts under suffixed tensor names, run by
+#    Flare's own kernel (flare.kernels); an older runtime would miss those tensors.
+EXECUTION_ABI: int = 3
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.

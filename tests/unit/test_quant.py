@@ -73,7 +73,7 @@ def test_packed_bytes_pad_the_input_axis_to_512():
     assert fp16_packed_bytes(17, 512) == 512 * 32 * 2
 
 
-@pytest.mark.parametrize("fmt", ["full", "fp16"])
+@pytest.mark.parametrize("fmt", ["full", "fp16", "q4"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_memory_report_weight_bytes_are_what_the_model_holds(make_tiny_qwen3, tmp_path,
                                                               embedded_checkpoint, fmt, tied):

@@ -66,3 +66,72 @@ def test_smollm2_fp16_weights_greedy_tokens_equal_transformers(embedded_checkpoi
         print(f"fp16 weights: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
         assert diff < 1e-3
     engine.check_integrity()
+
+
+# ---- weight format q4: transformers on the same dequantized weights ------------------------
+
+def _dequantized(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float32 weights a `q4` package stands for, Hugging Face names."""
+    from flare.models.quant import Q4_SUFFIXES, Q8_SUFFIXES, weight_getter
+
+    get = weight_getter(stored)
+    names = {n.removesuffix(s) for n in stored for s in Q4_SUFFIXES + Q8_SUFFIXES
+             if n.endswith(s)} | {n for n in stored if not n.split(".")[-1].startswith("q")}
+    out = {}
+    for n in names:
+        w = get(n)
+        out[n] = w.dequantize() if hasattr(w, "dequantize") else w.float()
+    return out
+
+
+def _q4_parity(ckpt, prompts: list[str], new_tokens: int, max_logit_diff: float) -> None:
+    stored = convert_tensors(ckpt.tensors, "q4")
+    cfg = AutoConfig.for_model(**ckpt.config.to_hf())
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(_dequantized(stored), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing)
+    model.tie_weights()
+    plan = make_plan(ckpt.config, max_seq_len=512, max_num_seqs=4)
+    engine = Engine(ckpt.config, plan, stored, ckpt.tokenizer)
+    ids_list = [ckpt.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    outs = engine.run_until_idle([GenerationRequest(str(i), ids, params)
+                                  for i, ids in enumerate(ids_list)])
+    for i, ids in enumerate(ids_list):
+        ours = sum((o.token_ids for o in outs[str(i)]), [])
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(ids):].tolist()
+        assert ours == ref
+        with torch.no_grad():
+            ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
+        diff = float((_last_logits(engine, ids) - ref_logits).abs().max())
+        print(f"q4 weights: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
+        assert diff < max_logit_diff
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_llama_q4_weights_greedy_tokens_equal_transformers(embedded_checkpoint, tmp_path,
+                                                                 tied):
+    """A random tiny Llama (SmolLM2's shape family, 2 layers), `q4` weights: greedy tokens
+    of the engine (q4/q8 kernel at decode, dequantize + MKL for prompts over 16 tokens)
+    equal transformers' on the dequantized weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flare.loading.checkpoint import load_checkpoint
+
+    torch.manual_seed(7)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                      max_position_embeddings=1024, rms_norm_eps=1e-5,
+                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    embedded_checkpoint.tokenizer.save_pretrained(tmp_path / "m")
+    prompts = PROMPTS + ["word " * 30]  # 5 to 31 tokens: both the kernel and MKL paths
+    _q4_parity(load_checkpoint(tmp_path / "m"), prompts, 16, 1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_q4_weights_greedy_tokens_equal_transformers(embedded_checkpoint):
+    _q4_parity(embedded_checkpoint, PROMPTS, NEW_TOKENS, 1e-3)

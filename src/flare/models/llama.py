@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch, paged_attention
 from flare.models.config import ModelConfig
-from flare.models.quant import Linear
-from flare.models.weights import tensor_getter
+from flare.models.quant import Linear, cat_weights, weight_getter
 from flare.state.pools import KVCache
 
 
@@ -73,8 +72,9 @@ class LlamaModel:
         config: model hyper-parameters.
         tensors: Hugging Face-named weights (`model.layers.N.self_attn.q_proj.weight`, ...)
             on the serving device. The serving dtype is that of `model.norm.weight`; 2-D
-            weights are in it too, or float16 under float32 (weight format `fp16`, see
-            `flare.models.quant`). The model keeps fused copies, not the tensors given.
+            weights are in it too, or float16 under float32 (weight format `fp16`), or
+            stored as q4/q8 block parts (weight format `q4`; see `flare.models.quant`).
+            The model keeps fused copies, not the tensors given.
         max_positions: size of the RoPE table (the plan's max sequence length).
 
     Raises:
@@ -90,7 +90,7 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.eps = c.rms_norm_eps
 
-        w = tensor_getter(tensors)
+        w = weight_getter(tensors)  # a tensor, or q4/q8 blocks (format `q4`)
         self.final_norm = w("model.norm.weight")
         dtype, device = self.final_norm.dtype, self.final_norm.device
         self.dtype = dtype
@@ -99,7 +99,7 @@ class LlamaModel:
         self._fused_norm = dtype == torch.float32
 
         def linear(names: list[str], bias: list[str] | None = None) -> Linear:
-            weight = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            weight = cat_weights([w(n) for n in names])
             b = torch.cat([w(n) for n in bias]) if bias else None
             return Linear(weight, b, dtype)
 
@@ -175,7 +175,7 @@ class LlamaModel:
         """
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
-        x = self.embed[input_ids].to(self.dtype)  # [T, hidden] (widens a float16 table)
+        x = self.embed[input_ids].to(self.dtype)  # [T, hidden] (widens float16 / q8 rows)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_signed[positions].unsqueeze(1)
         slots = batch.slot_mapping

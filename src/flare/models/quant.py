@@ -21,16 +21,71 @@ on a shared machine; medians of 5): fp32 1.22 ms at 1 token, 2.82 ms at 8, 50.8 
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) have no AVX2 path in torch 2.13:
 5.2 ms at 1 token (4x slower than fp32), 52.6 ms at 8, 3.2 s at 512 (int4 slower still);
 `torch._int_mm` is slower again. They are not offered as formats.
+
+- `q4`: Flare's own 4-bit format with an AVX2/FMA C++ kernel (`flare.kernels`), for a
+  float32 serving dtype on x86-64 CPUs with AVX2 and FMA, recipe `llama`. Every 2-D
+  projection weight [out, in] (`in` a multiple of 32) is stored in blocks of 32 along
+  `in` with Q4_1's scheme (`quantize_q4`): per block a scale d and a min m (float32) and
+  32 codes q in 0..15 packed two per byte; value = d * q + m. The token embedding and
+  the output layer are stored Q8_0-style (`quantize_q8`): per block of 32 a float32
+  scale d = amax / 127 and int8 codes; value = d * q. A package stores the parts under
+  the weight's name plus a suffix (`Q4_SUFFIXES`, `Q8_SUFFIXES`). Activations stay
+  float32 and are never quantized: the kernel computes, per block,
+  d * sum_j(x_j * q_j) + m * sum_j(x_j) in float32, so its result is the float32
+  product with the dequantized weights up to summation order. The GGUF of the embedded
+  model holds Q4_1 layers and a Q8_0 embedding; re-quantizing its dequantized floats
+  gives back the same codes and, for d and m, the file's float16 values within float32
+  rounding: measured over all 211 2-D weights of the embedded model, the dequantized
+  `q4` weights equal the GGUF's dequantized floats exactly (max abs difference 0.0).
+  Decode reads 0.75 bytes per layer weight (24 bytes
+  per block of 32; float16 scales would make it 20, 17% less, at the cost of rounding
+  non-GGUF scales: not done, float32 keeps the reproduction exact) and 1.125 per
+  embedding weight: 111 MB per token for the embedded model against 270 MB for `fp16`.
+  Up to `Q_KERNEL_MAX_ROWS` rows per call (decode) run in the kernel; larger calls
+  (prefill) dequantize the weight into a float32 scratch buffer and use `F.linear`
+  (MKL). Where the kernel cannot be built (no AVX2/FMA, no compiler or ninja) `prepare`
+  refuses `q4` naming why; a `q4` package served on such a machine is dequantized to
+  float32 at load (with a warning), so it still runs, with `full`'s speed and memory.
+
+  Measured on the 2-core AVX2 machine (Zen 3), one thread, CPU time, min of 5, while
+  other jobs ran on the machine (so absolute figures are low; compare columns): the 30
+  layers' four matmuls of the embedded model, fbgemm fp16 / q4 kernel: 17.9 / 9.8 ms at 1
+  row (1.8x), 18.8 / 17.9 at 2, 20.7 / 22.8 at 4, 30.4 / 45.3 at 8, 45.8 / 90.8 at 16;
+  dequantize + MKL 89.2 at 17 rows and 1341 / 1251 (fp16) at 512. The output layer,
+  fbgemm fp16 / q8 kernel: 3.4 / 2.3 ms at 1 row, 7.7 / 6.4 at 8. Per row the kernel
+  spends 4 FP ops per 8 weights turning nibbles into floats (shift, mask, convert,
+  scale) where fbgemm spends 1 (fp16 convert), so it wins where decode is bound by
+  reading weights (1-2 rows) and loses where it is bound by arithmetic (4+ rows).
+  Engine, one thread: decode at batch 1 29.1 (fp16) / 40.0 (q4) tok/s, 8 streams
+  130.5 / 105.2 aggregate tok/s, prefill 512 tokens 301 / 267 tok/s, 2048 tokens
+  213 / 205 tok/s (bench/peers.py prints the same rows at 2 threads).
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("full", "fp16")
+WEIGHT_FORMATS = ("full", "fp16", "q4")
+QBLOCK = 32  # values per block of `q4` / `q8` weights, along the input axis
+Q4_SUFFIXES = (".q4_codes", ".q4_scales", ".q4_mins")  # uint8 [N, K/2], f32 [N, K/32] x 2
+Q8_SUFFIXES = (".q8_codes", ".q8_scales")  # int8 [N, K], float32 [N, K/32]
+# the weights `q4` stores Q8_0-style (embedding lookups need them row by row)
+Q8_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+# Calls with at most this many rows run in the q4 kernel; larger ones dequantize the
+# weight into a scratch buffer and use F.linear (MKL). Measured on the 2-core AVX2 machine
+# (one thread, CPU time, min of 5, 30 layers of the embedded model's four shapes): kernel
+# 90.8 ms at 16 rows, dequantize + MKL 89.2 ms at 17; below 16 rows the kernel wins.
+Q_KERNEL_MAX_ROWS = 16
+# The output layer's q8 kernel up to this many rows; beyond, slabs of rows are dequantized
+# with torch ops and multiplied by MKL (55 ms at 17 rows against the kernel's 15 at 16: the
+# kernel stays ahead to about 64; only the last rows of many sequences at once get there).
+Q8_KERNEL_MAX_ROWS = 64
 
 _FP16_GEMM = None
 
@@ -50,23 +105,36 @@ def _fp16_ops() -> tuple[Callable, Callable]:
 def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> None:
     """Refuse a weight format the serving setup cannot run.
 
+    `q4` also needs Flare's C++ kernel (`flare.kernels.qgemm`): checking builds it
+    once (about a minute on 2 cores; cached on disk after).
+
     Raises:
-        ValueError: unknown format, or `fp16` with a serving dtype other than float32, a
-            device other than CPU, or a recipe other than `llama` (all named).
+        ValueError: unknown format; `fp16` or `q4` with a serving dtype other than
+            float32, a device other than CPU, or a recipe other than `llama` (all
+            named); `q4` where the kernel cannot be had (CPU without AVX2/FMA, no C++
+            compiler or ninja, failed build: the reason is in the message).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
-    if fmt == "fp16":
+    if fmt in ("fp16", "q4"):
+        kernel = "fbgemm" if fmt == "fp16" else "Flare's q4 kernel"
         why = []
         if dtype != "float32":
             why.append(f"serving dtype {dtype!r} (needs float32 activations)")
         if torch.device(device).type != "cpu":
-            why.append(f"device {device!r} (fbgemm runs on CPU)")
+            why.append(f"device {device!r} ({kernel} runs on CPU)")
         if recipe != "llama":
-            why.append(f"recipe {recipe!r} (only 'llama' reads fp16 weights)")
+            why.append(f"recipe {recipe!r} (only 'llama' reads {fmt} weights)")
         if why:
-            raise ValueError("weight format 'fp16' does not apply to " + ", ".join(why)
+            raise ValueError(f"weight format {fmt!r} does not apply to " + ", ".join(why)
                              + "; use --weights full")
+    if fmt == "q4":
+        from flare.kernels import qgemm_problem
+
+        problem = qgemm_problem()  # builds the kernel once (about a minute), then cached
+        if problem is not None:
+            raise ValueError(f"weight format 'q4' is not available on this machine: "
+                             f"{problem}; use --weights fp16")
 
 
 def default_weight_format(*, dtype: str, device: str, recipe: str) -> str:
@@ -98,17 +166,196 @@ def fp16_overflow(tensors: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
-def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
-    """The tensors a package of format `fmt` stores, same names: `full` returns them as
-    they are; `fp16` casts every 2-D `*.weight` to float16 (round to nearest even).
+# ---- q4 / q8 block quantization --------------------------------------------------------
+
+@dataclass(frozen=True)
+class Q4Weight:
+    """A weight [N, K] in `q4` blocks: value[n, 32 b + j] = scales[n, b] * code + mins[n, b].
+
+    Attributes:
+        codes: uint8 [N, K/2]; per block 16 bytes, byte j holding element j's code in its
+            low nibble and element j + 16's in its high nibble.
+        scales: float32 [N, K/32], the blocks' d.
+        mins: float32 [N, K/32], the blocks' m.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.mins.nbytes
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """(codes, scales, mins), in `Q4_SUFFIXES` order."""
+        return self.codes, self.scales, self.mins
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: d * q + m, rounded after the product and after the sum."""
+        n = self.codes.shape[0]
+        c = self.codes.view(n, -1, QBLOCK // 2)
+        q = torch.cat([c & 0xF, c >> 4], dim=-1).float()  # [N, K/32, 32]
+        return (q * self.scales.unsqueeze(-1) + self.mins.unsqueeze(-1)).view(n, -1)
+
+
+@dataclass(frozen=True)
+class Q8Weight:
+    """A weight [N, K] in Q8_0-style blocks: value[n, 32 b + j] = scales[n, b] * codes[n, 32 b + j].
+
+    Attributes:
+        codes: int8 [N, K], in -127..127.
+        scales: float32 [N, K/32].
+
+    Indexing with row ids (`w[ids]`, ids int64 [T]) returns those rows dequantized,
+    float32 [T, K] (the product d * q, exact as float32 rounds it): the embedding lookup.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """(codes, scales), in `Q8_SUFFIXES` order."""
+        return self.codes, self.scales
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.codes[rows], self.scales[rows]
+        t = codes.shape[0]
+        return (codes.view(t, -1, QBLOCK).float() * scales.unsqueeze(-1)).view(t, -1)
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """float32 [stop - start, K] of rows start..stop (default all)."""
+        return self[slice(start, stop)]
+
+
+def _blocks(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    if w.dim() != 2 or w.shape[1] % QBLOCK:
+        raise ValueError(f"{name} has shape {tuple(w.shape)}: q4/q8 need a 2-D weight whose "
+                         f"input axis is a multiple of {QBLOCK}")
+    return w.detach().float().reshape(w.shape[0], -1, QBLOCK)
+
+
+def quantize_q4(w: torch.Tensor, name: str = "weight") -> Q4Weight:
+    """Q4_1's quantizer on a weight [N, K] (K a multiple of 32, any float dtype).
+
+    Per block of 32 along K: m = block min, d = (max - min) / 15, q = round((x - m) / d)
+    clamped to 0..15 (a constant block has d = 0 and q = 0). Computed in float32.
+    Re-quantizing weights dequantized from Q4_1 (whose blocks span codes 0 and 15, as
+    Q4_1's reference quantizer makes them) gives back the same codes, and d, m within
+    float32 rounding.
 
     Raises:
-        ValueError: unknown format, or for `fp16` a weight beyond float16's range (named).
+        ValueError: w not 2-D or K not a multiple of 32 (naming `name`).
+    """
+    b = _blocks(w, name)
+    lo, hi = b.amin(-1), b.amax(-1)
+    d = (hi - lo) / 15
+    safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
+    q = ((b - lo.unsqueeze(-1)) / safe).round_().clamp_(0, 15)
+    q = torch.where(d.unsqueeze(-1) > 0, q, torch.zeros_like(q)).to(torch.uint8)
+    codes = q[..., :QBLOCK // 2] | (q[..., QBLOCK // 2:] << 4)
+    return Q4Weight(codes.reshape(w.shape[0], -1).contiguous(), d.contiguous(),
+                    lo.contiguous())
+
+
+def quantize_q8(w: torch.Tensor, name: str = "weight") -> Q8Weight:
+    """Q8_0's quantizer on a weight [N, K] (K a multiple of 32): per block of 32 along K,
+    d = amax / 127 and q = round(x / d) in -127..127 (an all-zero block has d = 0, q = 0).
+
+    Raises:
+        ValueError: w not 2-D or K not a multiple of 32 (naming `name`).
+    """
+    b = _blocks(w, name)
+    d = b.abs().amax(-1) / 127
+    safe = torch.where(d > 0, d, torch.ones_like(d)).unsqueeze(-1)
+    q = (b / safe).round_().clamp_(-127, 127)
+    q = torch.where(d.unsqueeze(-1) > 0, q, torch.zeros_like(q)).to(torch.int8)
+    return Q8Weight(q.reshape(w.shape[0], -1).contiguous(), d.contiguous())
+
+
+def weight_getter(tensors: Mapping[str, torch.Tensor]
+                  ) -> Callable[[str], torch.Tensor | Q4Weight | Q8Weight]:
+    """`get(name)` over stored tensors: the tensor itself, or the `Q4Weight` / `Q8Weight`
+    assembled from `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES` where the weight is stored in
+    parts (format `q4`). The names are listed once (a package mapping reads a tensor per
+    access, so membership is never tested by reading).
+
+    Raises (from get):
+        ValueError: neither the tensor nor its parts are there, naming it.
+    """
+    names = set(tensors)
+
+    def get(name: str) -> torch.Tensor | Q4Weight | Q8Weight:
+        if name in names:
+            return tensors[name]
+        if name + Q4_SUFFIXES[0] in names:
+            return Q4Weight(*(tensors[name + sfx] for sfx in Q4_SUFFIXES))
+        if name + Q8_SUFFIXES[0] in names:
+            return Q8Weight(*(tensors[name + sfx] for sfx in Q8_SUFFIXES))
+        raise ValueError(f"weights lack tensor {name!r}")
+
+    return get
+
+
+def cat_weights(weights: list[torch.Tensor | Q4Weight | Q8Weight]
+                ) -> torch.Tensor | Q4Weight | Q8Weight:
+    """Weights [N_i, K] of one kind stacked along the output axis (fused q/k/v, gate/up).
+
+    Raises:
+        ValueError: the weights mix kinds (tensor, q4, q8).
+    """
+    if len(weights) == 1:
+        return weights[0]
+    kinds = {type(w) for w in weights}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot fuse weights stored as {sorted(k.__name__ for k in kinds)}")
+    kind = kinds.pop()
+    if kind in (Q4Weight, Q8Weight):
+        return kind(*(torch.cat(p) for p in zip(*(w.parts() for w in weights))))
+    return torch.cat(weights)
+
+
+def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors a package of format `fmt` stores: `full` returns them as they are;
+    `fp16` casts every 2-D `*.weight` to float16 (round to nearest even), same names;
+    `q4` replaces every 2-D `*.weight` by its parts (`quantize_q4`, or `quantize_q8` for
+    the `Q8_NAMES`), stored as `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES`. 1-D tensors
+    (norms, biases) are kept as they are.
+
+    Raises:
+        ValueError: unknown format; for `fp16` a weight beyond float16's range; for `q4`
+            a weight whose input axis is not a multiple of 32 (each named).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
     if fmt == "full":
         return dict(tensors)
+    if fmt == "q4":
+        out: dict[str, torch.Tensor] = {}
+        for k, v in tensors.items():
+            if not _is_stored_low(k, v):
+                out[k] = v
+                continue
+            if v.shape[1] % QBLOCK:
+                raise ValueError(f"weight {k!r} has shape {tuple(v.shape)}: weight format "
+                                 f"'q4' needs an input axis that is a multiple of "
+                                 f"{QBLOCK}; use --weights fp16")
+            q8 = k in Q8_NAMES
+            parts = (quantize_q8 if q8 else quantize_q4)(v, k).parts()
+            out.update(zip((k + sfx for sfx in (Q8_SUFFIXES if q8 else Q4_SUFFIXES)), parts))
+        return out
     bad = fp16_overflow(tensors)
     if bad is not None:
         raise ValueError(f"weight {bad!r} has values beyond float16's range "
@@ -128,12 +375,14 @@ def serving_weight_bytes(tensors: Mapping[str, torch.Tensor], fmt: str,
                          tied_embeddings: bool) -> int:
     """Bytes of weights a served dense model holds for `tensors` stored in format `fmt`.
 
-    `full`: the stored bytes (fused q/k/v and gate/up replace their parts). `fp16`: each
-    2-D weight in fbgemm's packed layout (`fp16_packed_bytes`), plus the float16 token
-    embedding table for lookups (with tied embeddings the output layer is a packed copy
-    of it); 1-D tensors as stored.
+    `full` and `q4`: the stored bytes (fused q/k/v and gate/up replace their parts; with
+    `q4` a tied output layer runs on the embedding's own q8 blocks; the float32 scratch
+    buffer prefill dequantizes into, the largest layer weight's size per thread, is not
+    counted). `fp16`: each 2-D weight in fbgemm's packed layout (`fp16_packed_bytes`),
+    plus the float16 token embedding table for lookups (with tied embeddings the output
+    layer is a packed copy of it); 1-D tensors as stored.
     """
-    if fmt == "full":
+    if fmt in ("full", "q4"):
         return sum(t.numel() * t.element_size() for t in tensors.values())
     total = 0
     for name, t in tensors.items():
@@ -146,25 +395,60 @@ def serving_weight_bytes(tensors: Mapping[str, torch.Tensor], fmt: str,
     return total
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """A float32 buffer of at least `numel` elements, one per thread, grown as needed:
+    prefill dequantizes each q4 weight into it before its F.linear."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
+_Q8_CHUNK_ROWS = 4096  # rows of a q8 weight dequantized at a time for a large call
+
+
 class Linear:
     """y = x W^T (+ b) for one weight, in whichever kernel its storage calls for.
 
     Args:
-        weight: [out, in], in `dtype` (plain `F.linear`) or float16 with `dtype` float32
-            (fbgemm fp16 GEMM on CPU; widened to float32 elsewhere).
+        weight: [out, in], in `dtype` (plain `F.linear`), or float16 with `dtype` float32
+            (fbgemm fp16 GEMM on CPU; widened to float32 elsewhere), or a `Q4Weight` /
+            `Q8Weight` with `dtype` float32 on CPU (Flare's kernel; where it cannot be
+            had, dequantized to float32 at load with a warning).
         bias: [out] in `dtype`, or None.
         dtype: the serving dtype of activations.
 
     Call: x [T, in] in `dtype` -> [T, out] in `dtype`.
 
     Raises:
-        ValueError: a weight dtype that is neither `dtype` nor float16 under float32.
+        ValueError: a weight dtype that is neither `dtype` nor float16 under float32, or
+            a q4/q8 weight under another dtype or off the CPU.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+    def __init__(self, weight: torch.Tensor | Q4Weight | Q8Weight, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = None
+        self.packed = self.qweight = None
+        if isinstance(weight, (Q4Weight, Q8Weight)):
+            if dtype != torch.float32 or weight.codes.device.type != "cpu":
+                raise ValueError(f"q4/q8 weights serve float32 activations on CPU, not "
+                                 f"{dtype} on {weight.codes.device}")
+            from flare.kernels import KernelUnavailable, qgemm
+
+            try:
+                self._kernels = qgemm()
+            except KernelUnavailable as exc:
+                warnings.warn(f"Flare's q4 kernel is unavailable ({exc}); serving the "
+                              f"dequantized float32 weights instead", stacklevel=2)
+                weight = weight.dequantize()
+            else:
+                self.qweight = self.weight = weight
+                self.bias = bias
+                self.nbytes = weight.nbytes + (bias.nbytes if bias is not None else 0)
+                return
         if weight.dtype != dtype:
             if not (weight.dtype == torch.float16 and dtype == torch.float32):
                 raise ValueError(f"weight dtype {weight.dtype} cannot serve {dtype} "
@@ -182,7 +466,29 @@ class Linear:
         self.weight, self.bias = weight, bias
         self.nbytes = weight.nbytes + (bias.nbytes if bias is not None else 0)
 
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        w, k = self.qweight, self._kernels
+        x = x.contiguous()
+        if isinstance(w, Q4Weight):
+            if x.shape[0] <= Q_KERNEL_MAX_ROWS:
+                y = k.q4_linear(x, w.codes, w.scales, w.mins)
+            else:
+                dense = _scratch(self.out_features * self.in_features).view(
+                    self.out_features, self.in_features)
+                k.q4_dequantize_into(w.codes, w.scales, w.mins, dense)
+                return F.linear(x, dense, self.bias)
+        elif x.shape[0] <= Q8_KERNEL_MAX_ROWS:
+            y = k.q8_linear(x, w.codes, w.scales)
+        else:  # many rows through the output layer: dequantize a slab of rows at a time
+            y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+            for a in range(0, self.out_features, _Q8_CHUNK_ROWS):
+                b = min(a + _Q8_CHUNK_ROWS, self.out_features)
+                y[:, a:b] = F.linear(x, w.dequantize(a, b))
+        return y if self.bias is None else y.add_(self.bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self._gemm(x, self.packed)
+        if self.qweight is not None:
+            return self._quantized(x)
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,167 @@
+"""Flare's own C++ CPU kernels, compiled on first use and cached.
+
+`qgemm()` returns the extension module built from `qgemm.cpp` (block-quantized weight
+GEMMs, see that file and `flare.models.quant`). It is compiled once with
+`torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -ffp-contract=off; the kernels use
+`at::parallel_for`, so they run on torch's own intra-op thread pool, no second OpenMP
+runtime) into
+
+    <cache>/kernels/flare_qgemm_<key>/
+
+where <cache> is Flare's cache folder (`flare.cache_dir.default_cache_dir`: $FLARE_CACHE_DIR,
+else $XDG_CACHE_HOME/flare, else ~/.cache/flare) and <key> hashes the source, the
+compiler flags, the torch and Python versions. A build runs in a private temporary
+sibling folder that is renamed into place when complete, so two processes building at
+once both succeed (the loser of the rename discards its copy) and a reader never sees a
+half-built module. Later processes import the cached module directly (no compiler or
+ninja needed then). The first build takes about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from flare.cache_dir import default_cache_dir
+
+SOURCE = Path(__file__).with_name("qgemm.cpp")
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
+
+_MODULE: ModuleType | None = None
+_PROBLEM: str | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """Flare's C++ kernels cannot run here; the message says why (CPU, compiler, build)."""
+
+
+def cpu_problem() -> str | None:
+    """Why this CPU cannot run the AVX2/FMA kernels, or None when it can.
+
+    Reads the `flags` line of /proc/cpuinfo on Linux, else torch's detected CPU
+    capability ("AVX2" and "AVX512" imply FMA in ATen's dispatch)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"the CPU is {platform.machine()}, the kernels need x86-64 with AVX2 and FMA"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cap = torch.backends.cpu.get_cpu_capability()
+        if cap not in ("AVX2", "AVX512"):
+            return f"the CPU lacks AVX2/FMA (torch capability {cap})"
+        return None
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    if missing:
+        return f"the CPU lacks {' and '.join(missing)} (from /proc/cpuinfo)"
+    return None
+
+
+def cache_root() -> Path:
+    """The folder cached kernel builds live in: `<flare cache>/kernels`."""
+    return default_cache_dir() / "kernels"
+
+
+def build_key() -> str:
+    """16 hex digits identifying a build: source, flags, torch, Python, machine."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update("\0".join(CFLAGS + [torch.__version__, sys.version.split()[0],
+                                 platform.machine()]).encode())
+    return h.hexdigest()[:16]
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(name: str, final: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise KernelUnavailable(f"no C++ compiler ({cxx!r} not found on PATH) to build "
+                                f"Flare's kernels")
+    if not cpp_extension.is_ninja_available():
+        try:  # the `ninja` wheel (a dependency) puts its binary in the environment's bin,
+            import ninja  # which is not on PATH when the environment is not activated
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except (ImportError, AttributeError):
+            pass
+    if not cpp_extension.is_ninja_available():
+        raise KernelUnavailable("ninja is not installed (pip install ninja); torch needs it "
+                                "to build Flare's kernels")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                    build_directory=str(tmp), verbose=False)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise KernelUnavailable(f"building Flare's kernels failed: {exc}") from exc
+    try:
+        os.rename(tmp, final)  # atomic; fails if another process got there first
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # the module stays mapped from memory
+    return module
+
+
+def qgemm() -> ModuleType:
+    """The compiled `qgemm` extension (built on first call, then cached on disk and here).
+
+    Functions (all float32, CPU, contiguous inputs; shapes as in qgemm.cpp):
+        q4_linear(x [B, K], codes uint8 [N, K/2], scales [N, K/32], mins [N, K/32])
+            -> y [B, N]
+        q8_linear(x [B, K], codes int8 [N, K], scales [N, K/32]) -> y [B, N]
+        q4_dequantize(codes, scales, mins) -> w [N, K]
+        q4_dequantize_into(codes, scales, mins, out [N, K]) -> None
+
+    Raises:
+        KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, or the build
+            failed (message says which); the reason is remembered for this process.
+    """
+    global _MODULE, _PROBLEM
+    if _MODULE is not None:
+        return _MODULE
+    if _PROBLEM is not None:
+        raise KernelUnavailable(_PROBLEM)
+    try:
+        problem = cpu_problem()
+        if problem is not None:
+            raise KernelUnavailable(problem)
+        name = f"flare_qgemm_{build_key()}"
+        final = cache_root() / name
+        so = final / f"{name}.so"
+        _MODULE = _import(name, so) if so.is_file() else _build(name, final)
+    except KernelUnavailable as exc:
+        _PROBLEM = str(exc)
+        raise
+    return _MODULE
+
+
+def qgemm_problem() -> str | None:
+    """Why `qgemm()` cannot be had here (building it if needed), or None when it can."""
+    try:
+        qgemm()
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None

@@ -1,9 +1,13 @@
 """Engine figures for the hybrid recipes (Qwen3.5 Gated DeltaNet, LFM2 short conv), one table.
 
-Builds the tiny random checkpoints the tests use (tests/unit/hybrid_models.py: 5 layers,
-hidden 64, KV layers at 1 and 4, the embedded model's 49,152-token tokenizer), saves them
-with transformers' `save_pretrained`, prepares them with `prepare_package` and loads them
-through flare's loader. For each recipe, on one engine:
+Builds random checkpoints with tests/unit/hybrid_models.py's builders: `--size tiny` (the
+default) the tiny models the tests use (5 layers, hidden 64, KV layers at 1 and 4);
+`--size embedded` models of the embedded model's geometry (SmolLM2-135M: hidden 576,
+30 layers, 9 heads / 3 KV heads of 64, MLP 1536, vocabulary 49,152, tied embeddings) with
+each recipe's own layer pattern (Qwen3.5: every 4th layer full attention, 7 of 30; LFM2:
+its 16-layer conv/attention pattern tiled, 11 attention layers of 30). Both use the
+embedded model's tokenizer. Each is saved with transformers' `save_pretrained`, prepared
+with `prepare_package` and loaded through flare's loader. For each recipe, on one engine:
 - prefill tok/s of a 512-token prompt (time to the first token, `max_tokens=1`);
 - decode tok/s at batch 1 and aggregate decode tok/s at batch 8 (greedy, EOS ignored);
 - TTFT of turn 10 of a 10-turn conversation with reuse on vs off: each turn's prompt is the
@@ -11,9 +15,14 @@ through flare's loader. For each recipe, on one engine:
   them); an engine with `prefix_cache=True` and one with `prefix_cache=False` run the same
   turns; the figure is the median over `--repeats` conversations with distinct prefixes.
 Figures, not pass/fail: compare columns of one run, never numbers from another machine.
-Runs in about 75 s on one CPU thread (a fifth of it loading the tokenizer from the GGUF).
+Tiny: about 75 s on one CPU thread (a fifth of it loading the tokenizer from the GGUF);
+embedded: about 4 minutes on one thread with `--repeats 1` (building, saving and preparing
+~135M random weights each). Keep one thread on a shared machine: with 2 threads on 2 busy
+cores, Qwen3.5's many small DeltaNet ops each wait for a descheduled worker, and its
+figures dropped more than tenfold (a 28-minute run).
 
-    .venv/bin/python bench/bench_hybrid.py [--recipes qwen3_5,lfm2] [--repeats 3] [--threads 1]
+    .venv/bin/python bench/bench_hybrid.py [--recipes qwen3_5,lfm2] [--size tiny|embedded]
+        [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from flare.runtime.request import GenerationRequest, SamplingParams
 
 # the tests' builders, so the bench measures exactly the configs the tests check
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "unit"))
-from hybrid_models import BUILDERS  # noqa: E402
+from hybrid_models import BUILDERS, SIZES  # noqa: E402
 
 PLAN = dict(max_seq_len=2048, max_num_seqs=8, page_size=16, max_batch_tokens=512)
 SYSTEM_TOKENS = 256  # shared prefix of a conversation (a system prompt and tools)
@@ -113,9 +122,15 @@ def conversation_ttft(on: Engine, off: Engine, rng: random.Random, vocab: int,
     return ttft["on"], ttft["off"], len(prompt), reused
 
 
-def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int) -> dict:
-    folder = root / f"tiny-{recipe}"
-    BUILDERS[recipe](folder, tokenizer)
+def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) -> dict:
+    """Build, prepare and load the `size` random `recipe` model; measure its figures.
+
+    Returns:
+        The table row: tok/s (prefill, decode b1, b8), turn-10 TTFT ms on/off, reuse and
+        state-pool figures.
+    """
+    folder = root / f"{size}-{recipe}"
+    BUILDERS[recipe](folder, tokenizer, size=size)
     out = root / f"pkg-{recipe}"
     prepare_package(folder, out, progress=False, **PLAN)
     pkg = load_package(out)
@@ -145,6 +160,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="qwen3_5,lfm2",
                     help="comma-separated recipes (default qwen3_5,lfm2)")
+    ap.add_argument("--size", choices=SIZES, default="tiny",
+                    help="tiny: the tests' 5-layer models (default); embedded: the embedded "
+                         "model's geometry (hidden 576, 30 layers)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="conversations per recipe for the turn-10 TTFT median (default 3)")
     ap.add_argument("--threads", type=int, default=1,
@@ -164,8 +182,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="flare-bench-hybrid-") as tmp:
         for recipe in args.recipes.split(","):
-            rows.append(bench_recipe(recipe.strip(), Path(tmp), tokenizer, args.repeats))
-    print(f"tiny random hybrids (tests/unit/hybrid_models.py), fp32, cpu, threads "
+            rows.append(bench_recipe(recipe.strip(), Path(tmp), tokenizer, args.repeats,
+                                     args.size))
+    print(f"{args.size} random hybrids (tests/unit/hybrid_models.py), fp32, cpu, threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}; plan {PLAN}")
     print(f"conversation: {SYSTEM_TOKENS}-token prefix, +{USER_TOKENS} user and "
           f"{REPLY_TOKENS} reply tokens a turn; turn 10 prompt {rows[0]['turn10_prompt']} "

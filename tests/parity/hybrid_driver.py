@@ -2,18 +2,31 @@
 `AttentionBatch` by hand (decode tokens first, then prefill chunks), owns a page pool, a
 KV cache and a state-slot pool, and does what the engine must do for hybrid sequences:
 one state slot per sequence, a chunk continues from its slot, a fork copies the slot and
-shares the KV pages (copying the partly filled tail page)."""
+shares the KV pages (copying the partly filled tail page).
+
+It also holds what every hybrid parity test module shares: `build_tiny` (the fixture's
+model, built by `tests/unit/hybrid_models.py`) and `HybridParityChecks` (the tests)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from flare.models.recipe import StateLayout
 from flare.state.pools import KVCache, PagePool
 from flare.state.slots import StateSlotPool
+
+# the builders live with the engine tests' (one config per recipe for every suite)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+from hybrid_models import BUILDERS, hf_greedy  # noqa: E402
 
 
 @dataclass
@@ -155,10 +168,10 @@ CHUNK = 7  # with 16-token pages, chunks end inside pages
 TOL = 1e-4  # fp32 logits: max |ours - reference|
 
 
-def hf_greedy(model, ids: list[int], n: int = NEW_TOKENS) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+def _states_diff(runner: Runner, a: Seq, b: Seq) -> float:
+    """Max |difference| over all conv/recurrent state tensors of two sequences' slots."""
+    s_a, s_b = runner.states.read(a.slot), runner.states.read(b.slot)
+    return max(float((s_a[k] - s_b[k]).abs().max()) for k in s_a)
 
 
 def check_greedy_equals_transformers(make_runner, hf_model, prompts: list[list[int]],
@@ -170,7 +183,7 @@ def check_greedy_equals_transformers(make_runner, hf_model, prompts: list[list[i
     for prompt in prompts:
         seq = runner.generate(prompt, NEW_TOKENS)
         ours = new_tokens(seq)
-        ref_tokens = hf_greedy(hf_model, prompt)
+        ref_tokens = hf_greedy(hf_model, prompt, NEW_TOKENS)
         with torch.no_grad():
             full = torch.tensor([prompt + ref_tokens[:-1]])
             ref = hf_model(full).logits[0, len(prompt) - 1:].float()  # [32, V]
@@ -195,8 +208,7 @@ def check_chunked_prefill_equals_one_shot(make_runner, prompt: list[int], chunk:
     l_one = runner.prefill(one)
     l_cut = runner.prefill(cut, chunk=chunk)
     diff = float((l_one - l_cut).abs().max())
-    s_one, s_cut = runner.states.read(one.slot), runner.states.read(cut.slot)
-    sdiff = max(float((s_one[k] - s_cut[k]).abs().max()) for k in s_one)
+    sdiff = _states_diff(runner, one, cut)
     print(f"{label}: {len(prompt)} tokens in chunks of {chunk} vs one: logits max abs diff "
           f"{diff:.3e}, states max abs diff {sdiff:.3e}")
     assert diff < TOL and sdiff < TOL
@@ -218,8 +230,7 @@ def check_decode_path_equals_prefill(make_runner, prompt: list[int], label: str)
     for _ in range(len(prompt)):
         logits = runner.step([seq], [])[0]
     diff = float((l_ref - logits).abs().max())
-    s_ref, s = runner.states.read(ref.slot), runner.states.read(seq.slot)
-    sdiff = max(float((s_ref[k] - s[k]).abs().max()) for k in s)
+    sdiff = _states_diff(runner, ref, seq)
     print(f"{label}: {len(prompt)} tokens by decode steps vs prefill: logits max abs diff "
           f"{diff:.3e}, states max abs diff {sdiff:.3e}")
     assert diff < TOL and sdiff < TOL
@@ -288,3 +299,64 @@ def check_copied_slot_continues_identically(make_runner, prompt: list[int], chun
     runner.free(ref)
     runner.free(child)
     runner.check_empty()
+
+
+# ---- the parity tests every hybrid recipe runs ---------------------------------------------
+
+def build_tiny(recipe: str, model_cls: Any, folder: Path, tokenizer
+               ) -> tuple[Path, Any, Any, list[list[int]]]:
+    """Save the tiny random `recipe` checkpoint (`hybrid_models.BUILDERS`) with `tokenizer`
+    into `folder`, load it as flare's `model_cls` (`from_hf`, fp32, 512 positions).
+
+    Returns:
+        (folder, transformers model, our model, `PROMPTS` as token ids).
+    """
+    hf_model = BUILDERS[recipe](folder, tokenizer)
+    hf_config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    ours = model_cls.from_hf(hf_config, tensors, max_positions=512)
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    return folder, hf_model, ours, prompts
+
+
+class HybridParityChecks:
+    """The parity tests of a hybrid recipe, over the test module's `tiny` fixture (the
+    tuple of `build_tiny`). A module subclasses it as `Test...` and sets:
+
+    Attributes:
+        label: printed with each figure ("tiny-lfm2").
+        recipe: the recipe's module (`state_layout`, `expected_tensor_names`).
+        model_cls: its model class (`from_hf`).
+    """
+
+    label: str
+    recipe: ModuleType
+    model_cls: Any
+
+    def make_runner(self, tiny):
+        ours = tiny[2]
+        return lambda: Runner(ours, self.recipe.state_layout(ours.config, 16, torch.float32))
+
+    def test_greedy_tokens_equal_transformers(self, tiny):
+        check_greedy_equals_transformers(self.make_runner(tiny), tiny[1], tiny[3], self.label)
+
+    def test_chunked_prefill_equals_one_shot(self, tiny):
+        check_chunked_prefill_equals_one_shot(self.make_runner(tiny), tiny[3][2], CHUNK,
+                                              self.label)
+
+    def test_decode_path_equals_prefill_path(self, tiny):
+        check_decode_path_equals_prefill(self.make_runner(tiny), tiny[3][2][:40], self.label)
+
+    def test_batched_steps_equal_each_sequence_alone(self, tiny):
+        check_batched_equals_alone(self.make_runner(tiny), tiny[3], CHUNK, self.label)
+
+    def test_state_copied_to_another_slot_continues_identically(self, tiny):
+        check_copied_slot_continues_identically(self.make_runner(tiny), tiny[3][2], CHUNK,
+                                                self.label)
+
+    def test_flare_loader_reads_the_folder(self, tiny):
+        from flare.loading.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(tiny[0])
+        ours = self.model_cls.from_hf(ckpt.hf_config, ckpt.tensors, max_positions=64)
+        assert set(ckpt.tensors) == self.recipe.expected_tensor_names(ours.config)

@@ -7,53 +7,27 @@ the conv has biases and norms are randomised, so a dropped bias or swapped norm 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Lfm2Config as HfLfm2Config
 
+from flare.models import lfm2
 from flare.models.lfm2 import Lfm2Config, Lfm2Model, expected_tensor_names, state_layout
-from hybrid_driver import (CHUNK, PROMPTS, Runner, check_batched_equals_alone,
-                           check_chunked_prefill_equals_one_shot,
-                           check_copied_slot_continues_identically,
-                           check_decode_path_equals_prefill, check_greedy_equals_transformers)
-
-LAYER_TYPES = ["conv", "full_attention", "conv", "conv", "full_attention"]
+from hybrid_driver import HybridParityChecks, build_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, embedded_checkpoint):
-    """(folder, transformers model, our model, prompts as token ids)."""
-    torch.manual_seed(2)
-    cfg = HfLfm2Config(
-        vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-        layer_types=LAYER_TYPES, num_attention_heads=4, num_key_value_heads=2,
-        conv_L_cache=3, conv_bias=True, block_multiple_of=32, norm_eps=1e-5,
-        max_position_embeddings=4096, tie_word_embeddings=True, initializer_range=0.05,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
+    """(folder, transformers model, our model, prompts as token ids); the model is
+    `hybrid_models.save_tiny_lfm2` (seed 2, layers conv, attention, conv, conv, attention)."""
     folder = tmp_path_factory.mktemp("tiny-lfm2") / "tiny-lfm2"
-    model.save_pretrained(folder)
-    tok = embedded_checkpoint.tokenizer
-    tok.save_pretrained(folder)
-    hf_config = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / "model.safetensors"))
-    ours = Lfm2Model.from_hf(hf_config, tensors, max_positions=512)
-    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return folder, model, ours, prompts
+    return build_tiny("lfm2", Lfm2Model, folder, embedded_checkpoint.tokenizer)
 
 
-def _runner(tiny):
-    ours = tiny[2]
-    return lambda: Runner(ours, state_layout(ours.config, 16, torch.float32))
+class TestTinyLfm2(HybridParityChecks):
+    """Greedy tokens vs transformers, chunked/decode/batched/forked runs vs one-shot."""
+
+    label, recipe, model_cls = "tiny-lfm2", lfm2, Lfm2Model
 
 
 def test_config_and_tensor_names_match_the_saved_folder(tiny):
@@ -77,31 +51,3 @@ def test_original_release_config_keys():
                             "tie_embedding": True, "rope_theta": 1e6, "conv_L_cache": 3})
     assert c.layer_types == ("conv", "conv", "full_attention", "conv")
     assert c.ff_dim == 8192 and c.tie_word_embeddings and c.head_dim == 64
-
-
-def test_tiny_lfm2_greedy_tokens_equal_transformers(tiny):
-    check_greedy_equals_transformers(_runner(tiny), tiny[1], tiny[3], "tiny-lfm2")
-
-
-def test_chunked_prefill_equals_one_shot(tiny):
-    check_chunked_prefill_equals_one_shot(_runner(tiny), tiny[3][2], CHUNK, "tiny-lfm2")
-
-
-def test_decode_path_equals_prefill_path(tiny):
-    check_decode_path_equals_prefill(_runner(tiny), tiny[3][2][:40], "tiny-lfm2")
-
-
-def test_batched_steps_equal_each_sequence_alone(tiny):
-    check_batched_equals_alone(_runner(tiny), tiny[3], CHUNK, "tiny-lfm2")
-
-
-def test_state_copied_to_another_slot_continues_identically(tiny):
-    check_copied_slot_continues_identically(_runner(tiny), tiny[3][2], CHUNK, "tiny-lfm2")
-
-
-def test_flare_loader_reads_the_folder(tiny):
-    from flare.loading.checkpoint import load_checkpoint
-
-    ckpt = load_checkpoint(tiny[0])
-    ours = Lfm2Model.from_hf(ckpt.hf_config, ckpt.tensors, max_positions=64)
-    assert set(ckpt.tensors) == expected_tensor_names(ours.config)

@@ -13,57 +13,26 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
+from flare.models import qwen3_5
 from flare.models.qwen3_5 import (Qwen3_5Config, Qwen3_5Model, expected_tensor_names,
                                   gated_delta_chunked, gated_delta_step, state_layout,
                                   text_model_tensors)
-from hybrid_driver import (CHUNK, PROMPTS, Runner, check_batched_equals_alone,
-                           check_chunked_prefill_equals_one_shot,
-                           check_copied_slot_continues_identically,
-                           check_decode_path_equals_prefill, check_greedy_equals_transformers)
-
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention",
-               "full_attention"]
+from hybrid_driver import HybridParityChecks, Runner, build_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, embedded_checkpoint):
-    """(folder, transformers model, our model, prompts as token ids)."""
-    torch.manual_seed(35)
-    cfg = Qwen3_5TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
-        layer_types=LAYER_TYPES, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=8, rms_norm_eps=1e-6,
-        max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.05,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.uniform_(0.5, 1.5)  # plain-scale gated norm
-            elif name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)  # zero-centred norms: scale 1 + w
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.02, 0.4).log())  # long memory
-            elif name.endswith("dt_bias"):
-                p.uniform_(-1.0, 1.0)
+    """(folder, transformers model, our model, prompts as token ids); the model is
+    `hybrid_models.save_tiny_qwen3_5` (seed 35, layers linear, full, linear, linear, full)."""
     folder = tmp_path_factory.mktemp("tiny-qwen3_5") / "tiny-qwen3_5"
-    model.save_pretrained(folder)
-    tok = embedded_checkpoint.tokenizer
-    tok.save_pretrained(folder)
-    hf_config = json.loads((folder / "config.json").read_text())
-    tensors = load_file(str(folder / "model.safetensors"))
-    ours = Qwen3_5Model.from_hf(hf_config, tensors, max_positions=512)
-    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return folder, model, ours, prompts
+    return build_tiny("qwen3_5", Qwen3_5Model, folder, embedded_checkpoint.tokenizer)
 
 
-def _runner(tiny):
-    ours = tiny[2]
-    return lambda: Runner(ours, state_layout(ours.config, 16, torch.float32))
+class TestTinyQwen3_5(HybridParityChecks):
+    """Greedy tokens vs transformers, chunked/decode/batched/forked runs vs one-shot."""
+
+    label, recipe, model_cls = "tiny-qwen3_5", qwen3_5, Qwen3_5Model
 
 
 def test_config_and_tensor_names_match_the_saved_folder(tiny):
@@ -117,34 +86,6 @@ def test_gated_delta_chunked_equals_token_loop():
         o_ref[i] = o_i[0]
     o, s_end = gated_delta_chunked(q, k, v, g, beta, s0)
     assert torch.allclose(o, o_ref, atol=1e-5) and torch.allclose(s_end, s[0], atol=1e-5)
-
-
-def test_tiny_qwen3_5_greedy_tokens_equal_transformers(tiny):
-    check_greedy_equals_transformers(_runner(tiny), tiny[1], tiny[3], "tiny-qwen3_5")
-
-
-def test_chunked_prefill_equals_one_shot(tiny):
-    check_chunked_prefill_equals_one_shot(_runner(tiny), tiny[3][2], CHUNK, "tiny-qwen3_5")
-
-
-def test_decode_path_equals_prefill_path(tiny):
-    check_decode_path_equals_prefill(_runner(tiny), tiny[3][2][:40], "tiny-qwen3_5")
-
-
-def test_batched_steps_equal_each_sequence_alone(tiny):
-    check_batched_equals_alone(_runner(tiny), tiny[3], CHUNK, "tiny-qwen3_5")
-
-
-def test_state_copied_to_another_slot_continues_identically(tiny):
-    check_copied_slot_continues_identically(_runner(tiny), tiny[3][2], CHUNK, "tiny-qwen3_5")
-
-
-def test_flare_loader_reads_the_folder(tiny):
-    from flare.loading.checkpoint import load_checkpoint
-
-    ckpt = load_checkpoint(tiny[0])
-    ours = Qwen3_5Model.from_hf(ckpt.hf_config, ckpt.tensors, max_positions=64)
-    assert set(ckpt.tensors) == expected_tensor_names(ours.config)
 
 
 def test_flare_loader_reads_a_multimodal_folder(tiny, tmp_path):

@@ -19,12 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flare.models.attention import AttentionBatch, paged_attention
-from flare.models.hybrid_common import (apply_rope, causal_conv, check_state_slots, eos_ids,
-                                        rms_norm, rope_tables, rope_theta)
+from flare.models.attention import AttentionBatch
+from flare.models.hybrid_common import causal_conv, eos_ids, rms_norm, rope_theta
+from flare.models.hybrid_decoder import AttentionWeights, HybridBlock, HybridDecoder, SwiGLU
 from flare.models.recipe import LayerStateSpec, StateLayout
 from flare.models.weights import tensor_getter
-from flare.state.pools import KVCache
 from flare.state.slots import StateSlotPool
 
 CONV, FULL = "conv", "full_attention"
@@ -166,27 +165,9 @@ class _ShortConv:
     out_bias: torch.Tensor | None
 
 
-@dataclass
-class _Attention:
-    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
-    q_norm: torch.Tensor  # [D]
-    k_norm: torch.Tensor  # [D]
-    out_proj: torch.Tensor  # [hidden, H * D]
-    kv_index: int  # this layer's index into kv.k / kv.v
-
-
-@dataclass
-class _Block:
-    index: int
-    operator_norm: torch.Tensor  # [hidden]
-    mixer: _ShortConv | _Attention
-    ffn_norm: torch.Tensor  # [hidden]
-    w13: torch.Tensor  # [2 I, hidden]: w1 (gate) | w3 (up)
-    w2: torch.Tensor  # [hidden, I]
-
-
-class Lfm2Model:
-    """The LFM2 decoder over a paged KV cache and a state-slot pool.
+class Lfm2Model(HybridDecoder):
+    """The LFM2 decoder over a paged KV cache and a state-slot pool (the loop, attention,
+    `forward` and `logits` are `HybridDecoder`'s; this adds the gated short convolution).
 
     Args:
         config: model hyper-parameters.
@@ -200,20 +181,17 @@ class Lfm2Model:
     def __init__(self, config: Lfm2Config, tensors: dict[str, torch.Tensor],
                  max_positions: int) -> None:
         self.config = c = config
-
         w = tensor_getter(tensors)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if c.conv_bias else None
 
-        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
-        self.final_norm = w("model.embedding_norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        embed = w("model.embed_tokens.weight")  # [V, hidden]
         kv_index = {layer: j for j, layer in enumerate(c.attention_layers)}
-        self.blocks: list[_Block] = []
+        blocks = []
         for i, kind in enumerate(c.layer_types):
             p = f"model.layers.{i}."
-            mixer: _ShortConv | _Attention
+            mixer: _ShortConv | AttentionWeights
             if kind == CONV:
                 a = p + "conv."
                 mixer = _ShortConv(
@@ -222,17 +200,22 @@ class Lfm2Model:
                     out_proj=w(a + "out_proj.weight"), out_bias=opt(a + "out_proj.bias"))
             else:
                 a = p + "self_attn."
-                mixer = _Attention(
-                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]),
+                mixer = AttentionWeights(
+                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), qkv_bias=None,
                     q_norm=w(a + "q_layernorm.weight"), k_norm=w(a + "k_layernorm.weight"),
-                    out_proj=w(a + "out_proj.weight"), kv_index=kv_index[i])
+                    o_proj=w(a + "out_proj.weight"), o_bias=None, kv_index=kv_index[i])
             f = p + "feed_forward."
-            self.blocks.append(_Block(
-                index=i, operator_norm=w(p + "operator_norm.weight"), mixer=mixer,
-                ffn_norm=w(p + "ffn_norm.weight"),
-                w13=torch.cat([w(f + "w1.weight"), w(f + "w3.weight")]), w2=w(f + "w2.weight")))
-        self.cos, self.sin = rope_tables(c.rope_theta, c.head_dim, max_positions,
-                                         self.embed.dtype, self.embed.device)
+            blocks.append(HybridBlock(
+                index=i, input_norm=w(p + "operator_norm.weight"), mixer=mixer,
+                post_norm=w(p + "ffn_norm.weight"),
+                mlp=SwiGLU(gate_up=torch.cat([w(f + "w1.weight"), w(f + "w3.weight")]),
+                           down=w(f + "w2.weight"))))
+        super().__init__(
+            embed=embed, lm_head=embed if c.tie_word_embeddings else w("lm_head.weight"),
+            final_norm=w("model.embedding_norm.weight"), blocks=blocks, norm=rms_norm,
+            eps=c.norm_eps, num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rotary_dim=c.head_dim,
+            rope_theta=c.rope_theta, max_positions=max_positions)
 
     @classmethod
     def from_hf(cls, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -240,61 +223,10 @@ class Lfm2Model:
         """Build from a `config.json` dict and a folder's tensors."""
         return cls(Lfm2Config.from_hf(hf_config), tensors, max_positions)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: KVCache, states: StateSlotPool) -> torch.Tensor:
-        """Run the decoder over the step's tokens.
-
-        Args:
-            input_ids: int64 [T], the step's new tokens (decode tokens first, then chunks).
-            positions: int64 [T], each token's position in its sequence.
-            batch: K/V slots and gathers, plus each group's state slot, which must hold
-                the state at the group's first position.
-            kv: paged cache of the attention layers (`batch.slot_mapping` is written).
-            states: conv states; the batch's slots are advanced in place to the position
-                after each group's last token.
-
-        Returns:
-            Final hidden states [T, hidden] after `embedding_norm`, in the serving dtype.
-
-        Raises:
-            ValueError: a group of the batch has no state slot.
-        """
-        check_state_slots(batch)
-        x = self.embed[input_ids]  # [T, hidden]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        eps = self.config.norm_eps
-        for blk in self.blocks:
-            y = rms_norm(x, blk.operator_norm, eps)
-            if isinstance(blk.mixer, _ShortConv):
-                x = x + self._short_conv(y, blk.mixer, blk.index, batch, states)
-            else:
-                x = x + self._attention(y, blk.mixer, cos, sin, batch, kv)
-            gate, up = F.linear(rms_norm(x, blk.ffn_norm, eps), blk.w13).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, blk.w2)
-        return rms_norm(x, self.final_norm, eps)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits, fp32 [N, vocab], from final hidden states [N, hidden]."""
-        return F.linear(hidden, self.lm_head).float()
-
-    def _short_conv(self, y: torch.Tensor, m: _ShortConv, layer: int, batch: AttentionBatch,
-                    states: StateSlotPool) -> torch.Tensor:
+    def _mix(self, y: torch.Tensor, m: _ShortConv, layer: int, batch: AttentionBatch,
+             states: StateSlotPool) -> torch.Tensor:
+        """Gated short conv: in_proj to B, C, x; C * conv(B * x) with the layer's conv
+        state; out_proj. [T, hidden] -> [T, hidden]."""
         b, c, x = F.linear(y, m.in_proj, m.in_bias).chunk(3, dim=-1)  # [T, hidden] each
         conv = causal_conv(b * x, m.conv, m.conv_bias, batch, states.conv[layer])
         return F.linear(c * conv, m.out_proj, m.out_bias)
-
-    def _attention(self, y: torch.Tensor, m: _Attention, cos: torch.Tensor, sin: torch.Tensor,
-                   batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
-        c = self.config
-        h, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        t = y.shape[0]
-        q, k, v = F.linear(y, m.qkv).split([h * d, kvh * d, kvh * d], dim=-1)
-        q = apply_rope(rms_norm(q.view(t, h, d), m.q_norm, c.norm_eps), cos, sin)
-        k = apply_rope(rms_norm(k.view(t, kvh, d), m.k_norm, c.norm_eps), cos, sin)
-        kv.k[m.kv_index].index_copy_(0, batch.slot_mapping, k)
-        kv.v[m.kv_index].index_copy_(0, batch.slot_mapping, v.reshape(t, kvh, d))
-        o = paged_attention(q, kv.k[m.kv_index], kv.v[m.kv_index], batch, d ** -0.5)
-        return F.linear(o.reshape(t, h * d), m.out_proj)

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from flare.models.attention import AttentionBatch, paged_attention
-from flare.models.hybrid_common import (apply_rope, causal_conv, check_state_slots, eos_ids,
-                                        rms_norm, rms_norm_offset, rope_tables, rope_theta)
+from flare.models.attention import AttentionBatch
+from flare.models.hybrid_common import causal_conv, eos_ids, rms_norm, rms_norm_offset, rope_theta
+from flare.models.hybrid_decoder import AttentionWeights, HybridBlock, HybridDecoder, SwiGLU
 from flare.models.recipe import LayerStateSpec, StateLayout
 from flare.models.weights import tensor_getter
-from flare.state.pools import KVCache
 from flare.state.slots import StateSlotPool
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -37,7 +36,14 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 @dataclass(frozen=True)
 class Qwen3_5Config:
-    """Hyper-parameters of the Qwen3.5 text model, in transformers' naming."""
+    """Hyper-parameters of the Qwen3.5 text model, in transformers' naming.
+
+    A relative's config (`qwen3_next`) subclasses it with fields of its own (with
+    defaults), sets `RECIPE` / `DEFAULT_ARCHITECTURE` and reads them in `_extra_from_hf`.
+    """
+
+    RECIPE: ClassVar[str] = "qwen3_5"  # named in errors
+    DEFAULT_ARCHITECTURE: ClassVar[str] = "Qwen3_5ForCausalLM"
 
     architecture: str
     vocab_size: int
@@ -72,7 +78,8 @@ class Qwen3_5Config:
                 layer type, or head counts that do not divide (named).
         """
         text = cfg.get("text_config") or cfg
-        arch = (cfg.get("architectures") or ["Qwen3_5ForCausalLM"])[0]
+        arch = (cfg.get("architectures") or [cls.DEFAULT_ARCHITECTURE])[0]
+        name = cls.RECIPE
         try:
             n = int(text["num_hidden_layers"])
             hidden = int(text["hidden_size"])
@@ -107,18 +114,28 @@ class Qwen3_5Config:
                 linear_num_value_heads=int(text["linear_num_value_heads"]),
                 bos_token_id=text.get("bos_token_id", cfg.get("bos_token_id")),
                 eos_token_ids=eos_ids(text) or eos_ids(cfg),
+                **cls._extra_from_hf(text),
             )
         except KeyError as exc:
-            raise ValueError(f"qwen3_5 config lacks required field {exc.args[0]!r}") from None
+            raise ValueError(f"{name} config lacks required field {exc.args[0]!r}") from None
         act = text.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"qwen3_5: hidden_act {act!r} is not supported (silu)")
+            raise ValueError(f"{name}: hidden_act {act!r} is not supported (silu)")
         if len(c.layer_types) != n or set(c.layer_types) - {LINEAR, FULL}:
-            raise ValueError(f"qwen3_5: layer_types must be {n} of {LINEAR!r} / {FULL!r}, "
+            raise ValueError(f"{name}: layer_types must be {n} of {LINEAR!r} / {FULL!r}, "
                              f"got {list(c.layer_types)}")
         if c.linear_num_value_heads % c.linear_num_key_heads or heads % c.num_key_value_heads:
-            raise ValueError("qwen3_5: value heads must be a multiple of key heads")
+            raise ValueError(f"{name}: value heads must be a multiple of key heads")
         return c
+
+    @classmethod
+    def _extra_from_hf(cls, text: dict[str, Any]) -> dict[str, Any]:
+        """A subclass's own fields, read from the (text) config dict; none here.
+
+        Raises:
+            KeyError: a required field is missing (reported as ValueError by `from_hf`).
+        """
+        return {}
 
     @property
     def rotary_dim(self) -> int:
@@ -275,7 +292,9 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 # ---- the model --------------------------------------------------------------------------
 
 @dataclass
-class _DeltaNet:
+class DeltaNetWeights:
+    """One Gated DeltaNet layer's weights (serving dtype unless noted)."""
+
     in_proj: torch.Tensor  # [conv_dim + Hv*Dv + 2 Hv, hidden]: qkv | z | b | a
     conv: torch.Tensor  # [conv_dim, K]
     neg_a: torch.Tensor  # [Hv] float32, -exp(A_log)
@@ -284,29 +303,43 @@ class _DeltaNet:
     out_proj: torch.Tensor  # [hidden, Hv*Dv]
 
 
-@dataclass
-class _Attention:
-    qkv: torch.Tensor  # [H*2D + 2 KVH*D, hidden]: per head (query | gate), then k, v
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor  # [D]
-    k_norm: torch.Tensor  # [D]
-    o_proj: torch.Tensor  # [hidden, H*D]
-    o_bias: torch.Tensor | None
-    kv_index: int  # this layer's index into kv.k / kv.v
+def load_delta_net(w: Callable[[str], torch.Tensor], prefix: str,
+                   in_proj: torch.Tensor | None = None) -> DeltaNetWeights:
+    """A Gated DeltaNet layer's weights from Qwen3.5's names under `prefix`
+    (`model.layers.N.linear_attn.`); `w` reads a tensor by name (ValueError if missing).
+    `in_proj` [conv_dim + Hv*Dv + 2 Hv, hidden] (rows q | k | v | z | b | a), when given,
+    replaces Qwen3.5's four input projections (a relative that lays them out otherwise)."""
+    if in_proj is None:
+        in_proj = torch.cat([w(prefix + "in_proj_qkv.weight"), w(prefix + "in_proj_z.weight"),
+                             w(prefix + "in_proj_b.weight"), w(prefix + "in_proj_a.weight")])
+    return DeltaNetWeights(
+        in_proj=in_proj,
+        conv=w(prefix + "conv1d.weight").squeeze(1),
+        neg_a=-w(prefix + "A_log").float().exp(),
+        dt_bias=w(prefix + "dt_bias").float(),
+        norm=w(prefix + "norm.weight"),
+        out_proj=w(prefix + "out_proj.weight"))
 
 
-@dataclass
-class _Block:
-    index: int
-    input_norm: torch.Tensor  # [hidden]
-    mixer: _DeltaNet | _Attention
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 I, hidden]
-    down: torch.Tensor  # [hidden, I]
+def load_gated_attention(w: Callable[[str], torch.Tensor], prefix: str, bias: bool,
+                         kv_index: int) -> AttentionWeights:
+    """A gated full-attention layer's weights from Qwen3.5's names under `prefix`
+    (`model.layers.N.self_attn.`; q_proj yields query and gate per head)."""
+    return AttentionWeights(
+        qkv=torch.cat([w(prefix + f"{n}_proj.weight") for n in "qkv"]),
+        qkv_bias=torch.cat([w(prefix + f"{n}_proj.bias") for n in "qkv"]) if bias else None,
+        q_norm=w(prefix + "q_norm.weight"), k_norm=w(prefix + "k_norm.weight"),
+        o_proj=w(prefix + "o_proj.weight"),
+        o_bias=w(prefix + "o_proj.bias") if bias else None,
+        kv_index=kv_index, gated=True)
 
 
-class Qwen3_5Model:
-    """The Qwen3.5 text decoder over a paged KV cache and a state-slot pool.
+class Qwen3_5Model(HybridDecoder):
+    """The Qwen3.5 text decoder over a paged KV cache and a state-slot pool (the loop,
+    attention, `forward` and `logits` are `HybridDecoder`'s; this adds Gated DeltaNet).
+
+    Subclasses for relatives (`qwen3_next`) override `_load_delta_net` / `_load_mlp`
+    (other checkpoint layouts, other MLPs) and `CONFIG`.
 
     Args:
         config: model hyper-parameters.
@@ -318,115 +351,55 @@ class Qwen3_5Model:
         ValueError: a tensor is missing (named).
     """
 
+    CONFIG: type[Qwen3_5Config] = Qwen3_5Config
+
     def __init__(self, config: Qwen3_5Config, tensors: dict[str, torch.Tensor],
                  max_positions: int) -> None:
         self.config = c = config
-
         w = tensor_getter(tensors)
-
-        self.embed = w("model.embed_tokens.weight")  # [V, hidden]
-        self.final_norm = w("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        embed = w("model.embed_tokens.weight")  # [V, hidden]
         kv_index = {layer: j for j, layer in enumerate(c.full_attention_layers)}
-        self.blocks: list[_Block] = []
+        blocks = []
         for i, kind in enumerate(c.layer_types):
             p = f"model.layers.{i}."
-            mixer: _DeltaNet | _Attention
+            mixer: DeltaNetWeights | AttentionWeights
             if kind == LINEAR:
-                a = p + "linear_attn."
-                mixer = _DeltaNet(
-                    in_proj=torch.cat([w(a + "in_proj_qkv.weight"), w(a + "in_proj_z.weight"),
-                                       w(a + "in_proj_b.weight"), w(a + "in_proj_a.weight")]),
-                    conv=w(a + "conv1d.weight").squeeze(1),
-                    neg_a=-w(a + "A_log").float().exp(),
-                    dt_bias=w(a + "dt_bias").float(),
-                    norm=w(a + "norm.weight"),
-                    out_proj=w(a + "out_proj.weight"))
+                mixer = self._load_delta_net(w, p + "linear_attn.")
             else:
-                a = p + "self_attn."
-                bias = None
-                if c.attention_bias:
-                    bias = torch.cat([w(a + f"{n}_proj.bias") for n in "qkv"])
-                mixer = _Attention(
-                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]),
-                    qkv_bias=bias, q_norm=w(a + "q_norm.weight"), k_norm=w(a + "k_norm.weight"),
-                    o_proj=w(a + "o_proj.weight"),
-                    o_bias=w(a + "o_proj.bias") if c.attention_bias else None,
-                    kv_index=kv_index[i])
-            self.blocks.append(_Block(
+                mixer = load_gated_attention(w, p + "self_attn.", c.attention_bias,
+                                             kv_index[i])
+            blocks.append(HybridBlock(
                 index=i, input_norm=w(p + "input_layernorm.weight"), mixer=mixer,
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight")))
-        self.cos, self.sin = rope_tables(c.rope_theta, c.rotary_dim, max_positions,
-                                         self.embed.dtype, self.embed.device)
+                mlp=self._load_mlp(w, p + "mlp.", i)))
+        super().__init__(
+            embed=embed, lm_head=embed if c.tie_word_embeddings else w("lm_head.weight"),
+            final_norm=w("model.norm.weight"), blocks=blocks, norm=rms_norm_offset,
+            eps=c.rms_norm_eps, num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            rotary_dim=c.rotary_dim, rope_theta=c.rope_theta, max_positions=max_positions)
 
     @classmethod
     def from_hf(cls, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
                 max_positions: int) -> "Qwen3_5Model":
         """Build from a `config.json` dict and a folder's tensors (either naming)."""
-        return cls(Qwen3_5Config.from_hf(hf_config), text_model_tensors(tensors), max_positions)
+        return cls(cls.CONFIG.from_hf(hf_config), text_model_tensors(tensors), max_positions)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: KVCache, states: StateSlotPool) -> torch.Tensor:
-        """Run the decoder over the step's tokens.
+    def _load_delta_net(self, w: Callable[[str], torch.Tensor], prefix: str) -> DeltaNetWeights:
+        """A DeltaNet layer's weights under `prefix` (`model.layers.N.linear_attn.`)."""
+        return load_delta_net(w, prefix)
 
-        Args:
-            input_ids: int64 [T], the step's new tokens (decode tokens first, then chunks).
-            positions: int64 [T], each token's position in its sequence.
-            batch: K/V slots and gathers, plus each group's state slot (`decode.state_slots`,
-                `PrefillChunk.state_slot`), which must hold the state at the group's first
-                position.
-            kv: paged cache of the full-attention layers (`batch.slot_mapping` is written).
-            states: conv and recurrent states; the batch's slots are advanced in place to
-                the position after each group's last token.
+    def _load_mlp(self, w: Callable[[str], torch.Tensor], prefix: str,
+                  layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Model layer `layer`'s MLP under `prefix` (`model.layers.N.mlp.`): dense SwiGLU."""
+        return SwiGLU(gate_up=torch.cat([w(prefix + "gate_proj.weight"),
+                                         w(prefix + "up_proj.weight")]),
+                      down=w(prefix + "down_proj.weight"))
 
-        Returns:
-            Final hidden states [T, hidden] after the last norm, in the serving dtype.
-
-        Raises:
-            ValueError: a group of the batch has no state slot.
-        """
-        check_state_slots(batch)
-        x = self.embed[input_ids]  # [T, hidden]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, R]
-        sin = self.sin[positions].unsqueeze(1)
-        eps = self.config.rms_norm_eps
-        for blk in self.blocks:
-            y = rms_norm_offset(x, blk.input_norm, eps)
-            if isinstance(blk.mixer, _DeltaNet):
-                x = x + self._delta_net(y, blk.mixer, blk.index, batch, states)
-            else:
-                x = x + self._attention(y, blk.mixer, cos, sin, batch, kv)
-            y = rms_norm_offset(x, blk.post_norm, eps)
-            gate, up = F.linear(y, blk.gate_up).chunk(2, dim=-1)  # [T, I] each
-            x = x + F.linear(F.silu(gate) * up, blk.down)
-        return rms_norm_offset(x, self.final_norm, eps)
-
-    @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Next-token logits, fp32 [N, vocab], from final hidden states [N, hidden]."""
-        return F.linear(hidden, self.lm_head).float()
-
-    def _attention(self, y: torch.Tensor, m: _Attention, cos: torch.Tensor, sin: torch.Tensor,
-                   batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
-        c = self.config
-        h, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        t = y.shape[0]
-        qkv = F.linear(y, m.qkv, m.qkv_bias)  # [T, H*2D + 2 KVH*D]
-        qg, k, v = qkv.split([h * 2 * d, kvh * d, kvh * d], dim=-1)
-        q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)  # [T, H, D] each
-        q = apply_rope(rms_norm_offset(q, m.q_norm, c.rms_norm_eps), cos, sin)
-        k = apply_rope(rms_norm_offset(k.view(t, kvh, d), m.k_norm, c.rms_norm_eps), cos, sin)
-        kv.k[m.kv_index].index_copy_(0, batch.slot_mapping, k)
-        kv.v[m.kv_index].index_copy_(0, batch.slot_mapping, v.view(t, kvh, d))
-        o = paged_attention(q, kv.k[m.kv_index], kv.v[m.kv_index], batch, d ** -0.5)
-        o = o.reshape(t, h * d) * torch.sigmoid(gate.reshape(t, h * d))
-        return F.linear(o, m.o_proj, m.o_bias)
-
-    def _delta_net(self, y: torch.Tensor, m: _DeltaNet, layer: int, batch: AttentionBatch,
-                   states: StateSlotPool) -> torch.Tensor:
+    def _mix(self, y: torch.Tensor, m: DeltaNetWeights, layer: int, batch: AttentionBatch,
+             states: StateSlotPool) -> torch.Tensor:
+        """Gated DeltaNet of model layer `layer`: [T, hidden] -> [T, hidden], advancing
+        the batch's conv and recurrent states of that layer."""
         c = self.config
         hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim

@@ -120,8 +120,9 @@ HYBRID_ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # real Qwen3.5 folders: text model only
     "Lfm2ForCausalLM": "lfm2",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
-HYBRID_RECIPE_VERSIONS = {"qwen3_5": 1, "lfm2": 1}
+HYBRID_RECIPE_VERSIONS = {"qwen3_5": 1, "lfm2": 1, "qwen3_next": 1}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -161,7 +162,7 @@ def _hf_dict(config: ModelConfig) -> dict[str, Any]:
 
 def recipe_config(config: ModelConfig) -> Any:
     """The recipe's own config object: `config` itself for `llama`, a `Qwen3_5Config` /
-    `Lfm2Config` read from the original dict for the hybrids.
+    `Lfm2Config` / `Qwen3NextConfig` read from the original dict for the hybrids.
 
     Raises:
         ValueError: no recipe, or a config the recipe cannot read (named).
@@ -173,6 +174,9 @@ def recipe_config(config: ModelConfig) -> Any:
     if recipe == "lfm2":
         from flare.models.lfm2 import Lfm2Config
         return Lfm2Config.from_hf(_hf_dict(config))
+    if recipe == "qwen3_next":
+        from flare.models.qwen3_next import Qwen3NextConfig
+        return Qwen3NextConfig.from_hf(_hf_dict(config))
     return config
 
 
@@ -186,9 +190,10 @@ def model_state_layout(config: ModelConfig, page_size: int, dtype: torch.dtype) 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor],
                 max_positions: int) -> Any:
-    """The model object of the recipe that runs `config`: `LlamaModel`, `Qwen3_5Model` or
-    `Lfm2Model`. Dense models' `forward(ids, positions, batch, kv)`; hybrid models'
-    `forward(ids, positions, batch, kv, states)` (see `StateLayout.is_hybrid`).
+    """The model object of the recipe that runs `config`: `LlamaModel`, `Qwen3_5Model`,
+    `Lfm2Model` or `Qwen3NextModel`. Dense models' `forward(ids, positions, batch, kv)`;
+    hybrid models' `forward(ids, positions, batch, kv, states)` (see
+    `StateLayout.is_hybrid`).
 
     Raises:
         ValueError: no recipe, an unreadable config, or a missing tensor (named).
@@ -200,6 +205,10 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor],
     if recipe == "lfm2":
         from flare.models.lfm2 import Lfm2Model
         return Lfm2Model(recipe_config(config), tensors, max_positions)
+    if recipe == "qwen3_next":
+        from flare.models.qwen3_5 import text_model_tensors
+        from flare.models.qwen3_next import Qwen3NextModel
+        return Qwen3NextModel(recipe_config(config), text_model_tensors(tensors), max_positions)
     from flare.models.llama import LlamaModel
     return LlamaModel(config, tensors, max_positions)
 
@@ -213,6 +222,9 @@ def expected_tensor_names(config: ModelConfig) -> set[str]:
         return names(recipe_config(config))
     if recipe == "lfm2":
         from flare.models.lfm2 import expected_tensor_names as names
+        return names(recipe_config(config))
+    if recipe == "qwen3_next":
+        from flare.models.qwen3_next import expected_tensor_names as names
         return names(recipe_config(config))
     return dense_tensor_names(config)
 
@@ -238,8 +250,9 @@ def prepare_tensors(config: ModelConfig, tensors: dict[str, torch.Tensor]
                     ) -> dict[str, torch.Tensor]:
     """The recipe's renames of a folder's tensors (Qwen3.5's multimodal folders keep the
     text model under `model.language_model.*`, beside a vision tower and an MTP head that
-    the text model does not use); other recipes' tensors pass unchanged."""
-    if recipe_for(config) == "qwen3_5":
+    the text model does not use; Qwen3-Next folders carry such an MTP head too); other
+    recipes' tensors pass unchanged."""
+    if recipe_for(config) in ("qwen3_5", "qwen3_next"):
         from flare.models.qwen3_5 import text_model_tensors
         return text_model_tensors(tensors)
     return tensors
@@ -261,7 +274,7 @@ def hybrid_state_layout(recipe: str, hf_config: dict[str, Any], page_size: int,
     """The state layout of a hybrid recipe, from the model's `config.json` dict.
 
     Args:
-        recipe: "qwen3_5" or "lfm2" (a value of `HYBRID_ARCHITECTURES`).
+        recipe: "qwen3_5", "lfm2" or "qwen3_next" (a value of `HYBRID_ARCHITECTURES`).
         hf_config: the transformers config dict (`Checkpoint.hf_config`).
         page_size: tokens per KV page; dtype: serving dtype (KV pool and conv states;
             recurrent states are float32 whatever the serving dtype).
@@ -275,5 +288,8 @@ def hybrid_state_layout(recipe: str, hf_config: dict[str, Any], page_size: int,
     if recipe == "lfm2":
         from flare.models.lfm2 import Lfm2Config, state_layout as layout
         return layout(Lfm2Config.from_hf(hf_config), page_size, dtype)
+    if recipe == "qwen3_next":
+        from flare.models.qwen3_next import Qwen3NextConfig, state_layout as layout
+        return layout(Qwen3NextConfig.from_hf(hf_config), page_size, dtype)
     raise ValueError(f"recipe {recipe!r} is not a hybrid recipe; "
                      f"hybrid: {sorted(HYBRID_RECIPE_VERSIONS)}")

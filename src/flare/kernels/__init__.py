@@ -1,7 +1,11 @@
 """Flare's own C++ CPU kernels, compiled on first use and cached.
 
 `qgemm()` returns the extension module built from `qgemm.cpp` (block-quantized weight
-GEMMs, see that file and `flare.models.quant`). It is compiled once with
+GEMMs, see that file and `flare.models.quant`) and `fused.cpp` (fused float32 ops for the
+dense decoder's small per-layer steps: RMSNorm, residual add + RMSNorm, RoPE + K/V store,
+SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
+`fused_ops()` returns the same module for those ops, or None where it cannot be had or
+$FLARE_FUSED_OPS=0 asks for the torch path. It is compiled once with
 `torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -ffp-contract=off; the kernels use
 `at::parallel_for`, so they run on torch's own intra-op thread pool, no second OpenMP
 runtime) into
@@ -9,7 +13,7 @@ runtime) into
     <cache>/kernels/flare_qgemm_<key>/
 
 where <cache> is Flare's cache folder (`flare.cache_dir.default_cache_dir`: $FLARE_CACHE_DIR,
-else $XDG_CACHE_HOME/flare, else ~/.cache/flare) and <key> hashes the source, the
+else $XDG_CACHE_HOME/flare, else ~/.cache/flare) and <key> hashes every source file, the
 compiler flags, the torch and Python versions. A build runs in a private temporary
 sibling folder that is renamed into place when complete, so two processes building at
 once both succeed (the loser of the rename discards its copy) and a reader never sees a
@@ -20,6 +24,7 @@ ninja needed then). The first build takes about a minute on 2 cores.
 from __future__ import annotations
 
 import hashlib
+import logging
 import importlib.machinery
 import importlib.util
 import os
@@ -34,8 +39,11 @@ import torch
 
 from flare.cache_dir import default_cache_dir
 
-SOURCE = Path(__file__).with_name("qgemm.cpp")
+SOURCES = [Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("fused.cpp")]
+SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
+
+log = logging.getLogger(__name__)
 
 _MODULE: ModuleType | None = None
 _PROBLEM: str | None = None
@@ -77,8 +85,10 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """16 hex digits identifying a build: source, flags, torch, Python, machine."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """16 hex digits identifying a build: every source, flags, torch, Python, machine."""
+    h = hashlib.sha256()
+    for src in SOURCES:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     h.update("\0".join(CFLAGS + [torch.__version__, sys.version.split()[0],
                                  platform.machine()]).encode())
     return h.hexdigest()[:16]
@@ -110,11 +120,15 @@ def _build(name: str, final: Path) -> ModuleType:
         raise KernelUnavailable("ninja is not installed (pip install ninja); torch needs it "
                                 "to build Flare's kernels")
     final.parent.mkdir(parents=True, exist_ok=True)
+    # a notice, not an error: the first start on a machine waits for the compiler
+    log.warning("building Flare's CPU kernels once for this machine (about 1-2 minutes), "
+                "cached in %s", final.parent)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                    build_directory=str(tmp), verbose=False)
+        module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
+                                    extra_cflags=CFLAGS, build_directory=str(tmp),
+                                    verbose=False)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise KernelUnavailable(f"building Flare's kernels failed: {exc}") from exc
@@ -134,6 +148,7 @@ def qgemm() -> ModuleType:
         q8_linear(x [B, K], codes int8 [N, K], scales [N, K/32]) -> y [B, N]
         q4_dequantize(codes, scales, mins) -> w [N, K]
         q4_dequantize_into(codes, scales, mins, out [N, K]) -> None
+        rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention (see `fused_ops`)
 
     Raises:
         KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, or the build
@@ -165,3 +180,28 @@ def qgemm_problem() -> str | None:
     except KernelUnavailable as exc:
         return str(exc)
     return None
+
+
+def fused_ops() -> ModuleType | None:
+    """The kernel module for the fused float32 ops of `fused.cpp`, or None for the torch path.
+
+    None when $FLARE_FUSED_OPS is "0" (forces the torch reference path, e.g. for tests)
+    or when `qgemm()` raises `KernelUnavailable` (no warning: the torch path is then
+    exactly what Flare ran before these ops). Functions (float32, CPU; shapes in
+    fused.cpp):
+        rms_norm(x [T, H], w [H], eps) -> y [T, H]
+        add_rms_norm(x [T, H], r [T, H], w [H], eps) -> y [T, H]  (x += r in place)
+        rope_store(qkv [T, (H + 2 KVH) * D], cos [P, D], sin_signed [P, D],
+                   positions int64 [T], k_cache [S, KVH, D], v_cache [S, KVH, D],
+                   slots int64 [T], num_heads, num_kv_heads, qk_norm [H + KVH, D] | None,
+                   eps) -> q [T, H, D]  (writes k, v at slots)
+        silu_mul(gu [T, 2F]) -> y [T, F]
+        decode_attention(q [H, D], k_cache, v_cache, start, length, scale) -> o [H, D]
+    They raise RuntimeError on a wrong dtype, shape, or an index out of range.
+    """
+    if os.environ.get("FLARE_FUSED_OPS", "1").strip() == "0":
+        return None
+    try:
+        return qgemm()
+    except KernelUnavailable:
+        return None

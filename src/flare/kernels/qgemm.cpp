@@ -283,10 +283,13 @@ torch::Tensor q4_dequantize(const torch::Tensor& codes, const torch::Tensor& sca
 
 }  // namespace
 
+void flare_register_fused(pybind11::module_& m);  // fused.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Flare block-quantized (q4, q8) weight GEMMs, AVX2/FMA";
+  m.doc() = "Flare block-quantized (q4, q8) weight GEMMs and fused float32 ops, AVX2/FMA";
   m.def("q4_linear", &q4_linear, "y[B, N] = x[B, K] @ dequant_q4(W)^T, float32");
   m.def("q8_linear", &q8_linear, "y[B, N] = x[B, K] @ dequant_q8(W)^T, float32");
   m.def("q4_dequantize", &q4_dequantize, "float32 [N, K] = scale * code + min");
   m.def("q4_dequantize_into", &q4_dequantize_into, "as q4_dequantize, into out [N, K]");
+  flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention
 }

@@ -8,6 +8,7 @@ and describes where each group reads its keys from with `AttentionBatch`. The re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +76,7 @@ class AttentionBatch:
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
-    scale: float,
+    scale: float, ops: ModuleType | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of the step's queries over cached keys and values.
 
@@ -84,6 +85,11 @@ def paged_attention(
         k_cache, v_cache: [S, KVH, D] one layer's cache, already holding this step's K/V.
         batch: token layout and gather indices.
         scale: softmax scale (1/sqrt(D) for these recipes).
+        ops: Flare's fused-op kernel module (`flare.kernels.fused_ops`), or None. When
+            given and the decode group is one unmasked sequence in consecutive slots
+            (`DecodeGroup.span`) with float32 q and cache, its attention runs as the
+            module's `decode_attention` (plain fp32 softmax(q K^T * scale) V) instead of
+            SDPA; everything else runs SDPA as without it.
 
     Returns:
         [T, H, D] attention output, same dtype as `q`, possibly not contiguous. H must be
@@ -97,21 +103,27 @@ def paged_attention(
         b = dec.num_seqs
         m = dec.gather.shape[-1]
         kvh, d = k_cache.shape[1], q.shape[-1]
-        if dec.span is not None:  # one sequence in consecutive slots: a view, no copy
-            a = dec.span
-            k = k_cache[a:a + m].unsqueeze(0).transpose(1, 2)  # [1, KVH, M, D]
-            v = v_cache[a:a + m].unsqueeze(0).transpose(1, 2)
-        else:  # index_select copies whole rows: several times faster than indexing
-            flat = dec.gather.reshape(-1)
-            k = k_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)  # [B,KVH,M,D]
-            v = v_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
-        # one query per sequence: fold each KV head's group of query heads into the query
-        # axis ([B, KVH, G, D]), so GQA needs neither repeated K/V nor a GQA kernel
-        qd = q[:b].reshape(b, kvh, -1, d)  # [B, KVH, G, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=dec.mask, scale=scale)
+        if (ops is not None and dec.span is not None and dec.mask is None and b == 1
+                and q.dtype == torch.float32 and k_cache.dtype == torch.float32):
+            o = ops.decode_attention(q[0].contiguous(), k_cache, v_cache, dec.span, m,
+                                     scale).unsqueeze(0)  # [1, H, D]
+        else:
+            if dec.span is not None:  # one sequence in consecutive slots: a view, no copy
+                a = dec.span
+                k = k_cache[a:a + m].unsqueeze(0).transpose(1, 2)  # [1, KVH, M, D]
+                v = v_cache[a:a + m].unsqueeze(0).transpose(1, 2)
+            else:  # index_select copies whole rows: several times faster than indexing
+                flat = dec.gather.reshape(-1)
+                k = k_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
+                v = v_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
+            # one query per sequence: fold each KV head's group of query heads into the
+            # query axis ([B, KVH, G, D]), so GQA needs neither repeated K/V nor a GQA kernel
+            qd = q[:b].reshape(b, kvh, -1, d)  # [B, KVH, G, D]
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=dec.mask, scale=scale)
+            o = o.reshape(b, -1, d)
         if out is None:
-            return o.reshape(b, -1, d)
-        out[:b] = o.reshape(b, -1, d)
+            return o
+        out[:b] = o
     for chunk in batch.prefills:
         s, t = chunk.start, chunk.length
         k = k_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)  # [1,KVH,ctx,D]

@@ -9,12 +9,26 @@ step's flat token list over a paged KV cache: x is [T, hidden] for all T tokens 
 step, whatever sequence they belong to. Per layer it runs few tensor operations: one
 RMSNorm kernel, RoPE once over the q and k heads together, K/V written by index, one
 attention call; decode at batch 1 spends most of its time in the matmuls.
+
+Fused ops. For float32 serving on CPU the small steps between the matmuls run as Flare's
+fused C++ ops (`flare.kernels.fused_ops`, built into the kernel extension with the q4
+GEMMs): RMSNorm, residual add + RMSNorm in one pass, per-head q/k RMSNorm (Qwen3) + RoPE +
+K/V store in one call, SiLU(gate) * up, and for one decode sequence in consecutive slots
+attention over its span (see `flare.models.attention`). The choice is made once, at
+construction: `LlamaModel(..., fused=None)` (the default) takes the kernel module when the
+serving dtype is float32 on CPU and the module loads, else the torch path;
+`fused=False`, or $FLARE_FUSED_OPS=0 in the environment, forces the torch path (the
+reference, used by the tests to compare); `fused=True` requires the fused ops. Where the
+kernel cannot be built the torch path below runs unchanged. The two paths agree to about
+1e-6 relative (different summation order in norms, a polynomial exp in SiLU and softmax);
+`forward` on a cache of another dtype runs the torch path.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -76,13 +90,18 @@ class LlamaModel:
             stored as q4/q8 block parts (weight format `q4`; see `flare.models.quant`).
             The model keeps fused copies, not the tensors given.
         max_positions: size of the RoPE table (the plan's max sequence length).
+        fused: None (default) to use Flare's fused C++ ops when serving float32 on CPU and
+            the kernel module loads (and $FLARE_FUSED_OPS is not "0"); False for the torch
+            path; True to require the fused ops.
 
     Raises:
-        ValueError: a missing tensor, or a weight dtype the serving dtype cannot use.
+        ValueError: a missing tensor, or a weight dtype the serving dtype cannot use, or
+            `fused=True` where the fused ops cannot serve (not float32 on CPU, or the
+            kernel module is unavailable).
     """
 
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 max_positions: int) -> None:
+                 max_positions: int, fused: bool | None = None) -> None:
         self.config = config
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -135,6 +154,25 @@ class LlamaModel:
         half = c.head_dim // 2
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(
             dtype=dtype, device=device)
+        self.fused_ops: ModuleType | None = None  # the kernel module, or None: torch path
+        if fused is not False:
+            servable = dtype == torch.float32 and device.type == "cpu"
+            if servable:
+                from flare.kernels import fused_ops
+
+                self.fused_ops = fused_ops()
+            if fused and self.fused_ops is None:
+                raise ValueError("fused=True: Flare's fused ops serve float32 on CPU with the "
+                                 "kernel module built" + ("" if servable else
+                                 f", not {dtype} on {device}") + " (is FLARE_FUSED_OPS=0 "
+                                 "set, or the kernel unavailable?)")
+        if self.fused_ops is not None:  # the ops take contiguous float32 rows
+            for layer in self.layers:
+                layer.input_norm = layer.input_norm.contiguous()
+                layer.post_norm = layer.post_norm.contiguous()
+                if layer.qk_norm is not None:
+                    layer.qk_norm = layer.qk_norm.contiguous()
+            self.final_norm = self.final_norm.contiguous()
 
     @property
     def weights_nbytes(self) -> int:
@@ -173,6 +211,8 @@ class LlamaModel:
         Returns:
             Final hidden states [T, hidden] after the last norm, in the serving dtype.
         """
+        if self.fused_ops is not None and kv.k.dtype == torch.float32 and len(self.layers):
+            return self._forward_fused(input_ids, positions, batch, kv)
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
         x = self.embed[input_ids].to(self.dtype)  # [T, hidden] (widens float16 / q8 rows)
@@ -197,6 +237,34 @@ class LlamaModel:
             gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
         return self._norm(x, self.final_norm)
+
+    def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        """`forward` through the fused ops (float32, CPU): same arguments and result.
+
+        The residual stream x is updated in place by `add_rms_norm`, which also yields the
+        next norm's output (the post-attention norm, the next layer's input norm, or the
+        final norm)."""
+        ops = self.fused_ops
+        h, kvh, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        t = input_ids.shape[0]
+        x = self.embed[input_ids].to(self.dtype).contiguous()  # [T, hidden], a fresh tensor
+        positions = positions.to(torch.int64).contiguous()
+        slots = batch.slot_mapping.to(torch.int64).contiguous()
+        k_cache, v_cache = kv.k.unbind(0), kv.v.unbind(0)
+        layers = self.layers
+        y = ops.rms_norm(x, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            qkv = layer.qkv(y).contiguous()  # [T, (H + 2 KVH) * D]
+            q = ops.rope_store(qkv, self.cos, self.sin_signed, positions, k_cache[i],
+                               v_cache[i], slots, h, kvh, layer.qk_norm, eps)  # [T, H, D]
+            o = paged_attention(q, k_cache[i], v_cache[i], batch, self.scale, ops)
+            y = ops.add_rms_norm(x, layer.o_proj(o.reshape(t, h * d)).contiguous(),
+                                 layer.post_norm, eps)
+            m = layer.down(ops.silu_mul(layer.gate_up(y).contiguous())).contiguous()
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.final_norm
+            y = ops.add_rms_norm(x, m, nxt, eps)  # x += m; the next norm's output
+        return y
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -197,7 +197,8 @@ def tiny_tensors(c: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def new_cache(c: ModelConfig, slots: int = 128):
     shape = (c.num_hidden_layers, slots, c.num_key_value_heads, c.head_dim)
-    return SimpleNamespace(k=torch.zeros(shape), v=torch.zeros(shape))
+    k, v = torch.zeros(shape), torch.zeros(shape)
+    return SimpleNamespace(k=k, v=v, k_layers=k.unbind(0), v_layers=v.unbind(0))
 
 
 def generate(model: LlamaModel, kv, prompt: list[int], n: int, *, span: bool):

@@ -170,9 +170,10 @@ class HybridDecoder:
             q, gate = qg.view(t, h, d), None
         q = apply_rope(self.norm(q, m.q_norm, self.eps), cos, sin)
         k = apply_rope(self.norm(k.view(t, kvh, d), m.k_norm, self.eps), cos, sin)
-        kv.k[m.kv_index].index_copy_(0, batch.slot_mapping, k)
-        kv.v[m.kv_index].index_copy_(0, batch.slot_mapping, v.view(t, kvh, d))
-        o = paged_attention(q, kv.k[m.kv_index], kv.v[m.kv_index], batch, d ** -0.5)
+        k_cache, v_cache = kv.k_layers[m.kv_index], kv.v_layers[m.kv_index]
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v.view(t, kvh, d))
+        o = paged_attention(q, k_cache, v_cache, batch, d ** -0.5)
         o = o.reshape(t, h * d)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, h * d))

@@ -220,7 +220,7 @@ class LlamaModel:
         sin = self.sin_signed[positions].unsqueeze(1)
         slots = batch.slot_mapping
         nqk = (h + kvh) * d
-        k_cache, v_cache = kv.k.unbind(0), kv.v.unbind(0)  # per-layer views, made once
+        k_cache, v_cache = kv.k_layers, kv.v_layers  # per-layer views
         for i, layer in enumerate(self.layers):
             y = self._norm(x, layer.input_norm)
             qkv = layer.qkv(y)  # [T, (H + 2 KVH) * D]
@@ -251,7 +251,7 @@ class LlamaModel:
         x = self.embed[input_ids].to(self.dtype).contiguous()  # [T, hidden], a fresh tensor
         positions = positions.to(torch.int64).contiguous()
         slots = batch.slot_mapping.to(torch.int64).contiguous()
-        k_cache, v_cache = kv.k.unbind(0), kv.v.unbind(0)
+        k_cache, v_cache = kv.k_layers, kv.v_layers
         layers = self.layers
         y = ops.rms_norm(x, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):

@@ -95,6 +95,8 @@ class KVCache:
     Layout: `k[layer]` and `v[layer]` are `[num_pages * page_size, num_kv_heads, head_dim]`
     tensors of `layout.dtype`; token position `pos` of a sequence whose page table is
     `pages` lives in slot `pages[pos // page_size] * page_size + pos % page_size`.
+    `k_layers[layer]` / `v_layers[layer]` are those per-layer views, made once (a forward
+    step would otherwise pay for 2 x layers view ops; `k` and `v` are never reassigned).
     """
 
     def __init__(self, layout: StateLayout, num_pages: int, device: torch.device | str) -> None:
@@ -104,6 +106,7 @@ class KVCache:
         shape = (layout.num_kv_layers, slots, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
         self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,9 @@ side and by transformers' own `from_pretrained` on the other.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -15,6 +18,9 @@ from flare.loading.checkpoint import load_checkpoint
 from flare.prepare.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+from engine_helpers import last_position_logits  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -46,17 +52,7 @@ def _hf_greedy(model, ids: list[int]) -> list[int]:
 def _prefill_logits_diff(engine: Engine, model, ids: list[int]) -> float:
     """Max |ours - transformers| over the last-position logits of a prompt."""
     kv_free = engine.pool.num_free
-    pages = engine.pool.allocate(-(-len(ids) // engine.plan.page_size))
-    try:
-        from flare.models.attention import AttentionBatch, PrefillChunk
-
-        slots = engine.kv.slots(pages, 0, len(ids))
-        batch = AttentionBatch(slots, None, (PrefillChunk(0, len(ids), slots, None),))
-        hidden = engine.model.forward(torch.tensor(ids), torch.arange(len(ids)), batch,
-                                      engine.kv)
-        ours = engine.model.logits(hidden[-1:])[0]
-    finally:
-        engine.pool.release(pages)
+    ours = last_position_logits(engine, ids)
     assert engine.pool.num_free == kv_free
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0, -1].float()

@@ -1,12 +1,16 @@
 """Helpers of the engine unit tests on tiny checkpoints: a small engine, a request's
 generated tokens, greedy runs to the end, random token ids, and the one-step
 shared-prefix batch compared with a cold engine (no reuse) of the prefix-reuse tests
-(test_prefix_reuse.py, KV only; test_hybrid_reuse.py, KV plus layer-state checkpoints)."""
+(test_prefix_reuse.py, KV only; test_hybrid_reuse.py, KV plus layer-state checkpoints),
+and a prompt's last-position logits through the model's prefill (the parity tests)."""
 
 from __future__ import annotations
 
 import random
 
+import torch
+
+from flare.models.attention import AttentionBatch, PrefillChunk
 from flare.prepare.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, RequestOutput, SamplingParams
@@ -16,6 +20,21 @@ def small_engine(ckpt) -> Engine:
     """An Engine over `ckpt`: 256-token sequences, 4 of them, 64 tokens a step."""
     plan = make_plan(ckpt.config, max_seq_len=256, max_num_seqs=4, max_batch_tokens=64)
     return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
+
+
+def last_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [vocab] at the last position of prompt `ids`: one prefill of the whole
+    prompt through `engine.model` on pages borrowed from its pool (released after, so the
+    pool's accounting is unchanged)."""
+    pages = engine.pool.allocate(-(-len(ids) // engine.plan.page_size))
+    try:
+        slots = engine.kv.slots(pages, 0, len(ids))
+        batch = AttentionBatch(slots, None, (PrefillChunk(0, len(ids), slots, None),))
+        hidden = engine.model.forward(torch.tensor(ids), torch.arange(len(ids)), batch,
+                                      engine.kv)
+        return engine.model.logits(hidden[-1:])[0]
+    finally:
+        engine.pool.release(pages)
 
 
 def output_tokens(outs: list[RequestOutput]) -> list[int]:

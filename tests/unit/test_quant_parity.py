@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import last_position_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from flare.models.attention import AttentionBatch, PrefillChunk
 from flare.models.quant import convert_tensors
 from flare.prepare.plan import make_plan
 from flare.runtime.engine import Engine
@@ -26,18 +26,6 @@ PROMPTS = [
     "Explain paged attention in one sentence:",
 ]
 NEW_TOKENS = 32
-
-
-def _last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    pages = engine.pool.allocate(-(-len(ids) // engine.plan.page_size))
-    try:
-        slots = engine.kv.slots(pages, 0, len(ids))
-        batch = AttentionBatch(slots, None, (PrefillChunk(0, len(ids), slots, None),))
-        hidden = engine.model.forward(torch.tensor(ids), torch.arange(len(ids)), batch,
-                                      engine.kv)
-        return engine.model.logits(hidden[-1:])[0]
-    finally:
-        engine.pool.release(pages)
 
 
 @pytest.mark.slow
@@ -62,7 +50,7 @@ def test_smollm2_fp16_weights_greedy_tokens_equal_transformers(embedded_checkpoi
         assert ours == ref
         with torch.no_grad():
             ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
-        diff = float((_last_logits(engine, ids) - ref_logits).abs().max())
+        diff = float((last_position_logits(engine, ids) - ref_logits).abs().max())
         print(f"fp16 weights: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
         assert diff < 1e-3
     engine.check_integrity()
@@ -105,7 +93,7 @@ def _q4_parity(ckpt, prompts: list[str], new_tokens: int, max_logit_diff: float)
         assert ours == ref
         with torch.no_grad():
             ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
-        diff = float((_last_logits(engine, ids) - ref_logits).abs().max())
+        diff = float((last_position_logits(engine, ids) - ref_logits).abs().max())
         print(f"q4 weights: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
         assert diff < max_logit_diff
     engine.check_integrity()

@@ -41,6 +41,7 @@ from flare.cache_dir import default_cache_dir
 
 SOURCES = [Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("fused.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
+HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,9 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """16 hex digits identifying a build: every source, flags, torch, Python, machine."""
+    """16 hex digits identifying a build: every source and header, flags, torch, Python, machine."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     h.update("\0".join(CFLAGS + [torch.__version__, sys.version.split()[0],
                                  platform.machine()]).encode())

@@ -33,6 +33,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -42,12 +44,8 @@ namespace {
 
 constexpr int64_t ROW_GRAIN = 16;  // rows per task: fewer rows run on the calling thread
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using flare_simd::dot;
+using flare_simd::hsum;
 
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -100,7 +98,7 @@ inline float sum_squares(const float* x, int64_t n) {
     const __m256 u = _mm256_loadu_ps(x + i);
     a0 = _mm256_fmadd_ps(u, u, a0);
   }
-  float s = hsum8(_mm256_add_ps(a0, a1));
+  float s = hsum(_mm256_add_ps(a0, a1));
   for (; i < n; ++i) s += x[i] * x[i];
   return s;
 }
@@ -176,7 +174,7 @@ torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& r, const torch
         _mm256_storeu_ps(xr + i, s);
         a0 = _mm256_fmadd_ps(s, s, a0);
       }
-      float ss = hsum8(a0);
+      float ss = hsum(a0);
       for (; i < H; ++i) {
         xr[i] += rr[i];
         ss += xr[i] * xr[i];
@@ -328,14 +326,7 @@ void scores(const float* q, const float* k, int64_t stride, int64_t M, int64_t D
     }
   }
   for (; j < M; ++j) {
-    const float* kr = k + j * stride;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(kr + i), acc);
-    float sdot = hsum8(acc);
-    for (; i < D; ++i) sdot += q[i] * kr[i];
-    p[j] = sdot * sc;
+    p[j] = dot(q, k + j * stride, D) * sc;
   }
 }
 
@@ -399,7 +390,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     for (int64_t j = M; j < Mp; ++j) pr[j] = 0.f;
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < Mp; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(pr + j));
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
     for (int64_t j = 0; j < Mp; j += 8)
       _mm256_storeu_ps(pr + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j), inv));
     weighted_sum_any(pr, vd + kh * D, KVH * D, M, D, od + hh * D);

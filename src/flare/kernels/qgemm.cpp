@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -33,22 +35,8 @@ namespace {
 constexpr int64_t QK = 32;    // values per block
 constexpr int64_t TILE = 8;  // rows of x per pass over a weight row (registers: 8 + 5)
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+using flare_simd::dot;
+using flare_simd::hsum;
 
 // The q4 unpacking broadcasts a block's 16 code bytes to both 128-bit lanes; dword lane
 // L (0..7) then holds bytes 4*(L%4) .. 4*(L%4)+3, and group g (0..3) shifts lane L right

@@ -3,7 +3,7 @@
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
                                    --num-pages N --max-batch-tokens N --dtype D --name S
                                    --checkpoint-interval TOKENS --checkpoint-slots N
-                                   --weights full|fp16|q4]
+                                   --weights full|fp16|q4|q4x8]
     flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json]
     flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
@@ -64,12 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
     prep.add_argument("--out", required=True, type=Path, help="package folder to write")
     prep.add_argument("--name", default=None, help="model name (default: from the file)")
-    prep.add_argument("--weights", choices=["full", "fp16", "q4"], default=None,
+    prep.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8"], default=None,
                       help="weight format of the linear layers: full (serving dtype), fp16 "
-                           "(float16 weights, fbgemm GEMM; CPU, float32, Llama family) or "
+                           "(float16 weights, fbgemm GEMM; CPU, float32, Llama family), "
                            "q4 (4-bit blocks, Flare's AVX2 kernel; same, on x86-64 with "
-                           "AVX2/FMA and a C++ compiler). Default: fp16 where it applies, "
-                           "else full")
+                           "AVX2/FMA and a C++ compiler) or q4x8 (q4 blocks with int8 "
+                           "activations, llama.cpp's Q4_1 x Q8_1 arithmetic: the fastest). "
+                           "Default: fp16 where it applies, else full")
     _add_plan_options(prep)
     ck = prep.add_argument_group("checkpoints (hybrid recipes: Qwen3.5, LFM2)")
     ck.add_argument("--checkpoint-interval", type=non_negative_int, default=None,

@@ -28,7 +28,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 #    (weight format `fp16`, tuning["weights"]), run by fbgemm's fp16 GEMM.
 # 3: weight format `q4`: 4-bit / 8-bit block parts under suffixed tensor names, run by
 #    Flare's own kernel (flare.kernels); an older runtime would miss those tensors.
-EXECUTION_ABI: int = 3
+# 4: weight format `q4x8`: q4/q8 blocks in an 8-row interleaved layout under their own
+#    suffixes, run with int8 activations (flare.kernels qdot8.cpp).
+EXECUTION_ABI: int = 4
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.
@@ -74,7 +76,7 @@ class Manifest(BaseModel):
         plan: `CapacityPlan.to_dict()`.
         memory: `MemoryReport.to_dict()` (bytes).
         tuning: choices made at prepare time (threads, batch token budget, weight format
-            "weights": "full" or "fp16" (`flare.models.quant`), ...).
+            "weights": "full", "fp16", "q4" or "q4x8" (`flare.models.quant`), ...).
         graph_capture: what serve captures at start-up; {"enabled": False, "reason": ...}
             when nothing.
         flare_version / torch_version: versions that prepared it.

@@ -22,19 +22,25 @@ def small_engine(ckpt) -> Engine:
     return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer)
 
 
-def last_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """fp32 logits [vocab] at the last position of prompt `ids`: one prefill of the whole
-    prompt through `engine.model` on pages borrowed from its pool (released after, so the
-    pool's accounting is unchanged)."""
+def position_logits(engine: Engine, ids: list[int], last_only: bool = True) -> torch.Tensor:
+    """fp32 logits of one prefill of the whole prompt `ids` through `engine.model`, on
+    pages borrowed from its pool (released after, so the pool's accounting is unchanged):
+    [vocab] at the last position, or with `last_only=False` [len(ids), vocab] at every
+    position (row t predicts token t + 1)."""
     pages = engine.pool.allocate(-(-len(ids) // engine.plan.page_size))
     try:
         slots = engine.kv.slots(pages, 0, len(ids))
         batch = AttentionBatch(slots, None, (PrefillChunk(0, len(ids), slots, None),))
         hidden = engine.model.forward(torch.tensor(ids), torch.arange(len(ids)), batch,
                                       engine.kv)
-        return engine.model.logits(hidden[-1:])[0]
+        return engine.model.logits(hidden[-1:])[0] if last_only else engine.model.logits(hidden)
     finally:
         engine.pool.release(pages)
+
+
+def last_position_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [vocab] at the last position of prompt `ids` (see `position_logits`)."""
+    return position_logits(engine, ids)
 
 
 def output_tokens(outs: list[RequestOutput]) -> list[int]:

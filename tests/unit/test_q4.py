@@ -1,6 +1,7 @@
-"""Weight format `q4` (`flare.models.quant`, `flare.kernels`): the quantizers' numbers, the
-C++ kernel against F.linear on the dequantized weights, what a package stores, and
-reuse-equals-recompute with q4 weights.
+"""Weight formats `q4` and `q4x8` (`flare.models.quant`, `flare.kernels`): the quantizers'
+numbers, the C++ kernels against F.linear on the dequantized weights (and, for `q4x8`,
+the dequantized int8 activations), the interleaved layout, what a package stores, and
+reuse-equals-recompute with quantized weights.
 
 The first test to need the kernel builds it (about a minute on 2 cores) into the flare
 cache folder; later runs import the cached build.
@@ -19,11 +20,15 @@ from flare.kernels import cpu_problem
 from flare.loading.checkpoint import load_checkpoint
 from flare.models.quant import (
     Q4_SUFFIXES,
+    Q4X8_SUFFIXES,
     Q8_SUFFIXES,
+    Q8X8_SUFFIXES,
     Q_KERNEL_MAX_ROWS,
     Linear,
     Q4Weight,
+    Q4x8Weight,
     Q8Weight,
+    Q8x8Weight,
     cat_weights,
     check_weight_format,
     convert_tensors,
@@ -145,6 +150,67 @@ def test_kernel_refuses_bad_inputs():
     assert torch.equal(k.q4_dequantize(q.codes, q.scales, q.mins), q.dequantize())
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 40])
+@pytest.mark.parametrize("shape", [(96, 576), (40, 1536), (16, 64)])
+def test_q4x8_kernel_is_the_product_of_the_dequantized_weights_and_activations(rows, shape):
+    torch.manual_seed(rows)
+    w, b = torch.randn(*shape) * 0.05, torch.randn(shape[0])
+    x = torch.randn(rows, shape[1]) * 3
+    x[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    x_int8 = quantize_q8(x).dequantize().double()
+    for q in (Q4x8Weight.pack(quantize_q4(w)), Q8x8Weight.pack(quantize_q8(w))):
+        got = Linear(q, b, torch.float32)(x)
+        ref = F.linear(x_int8, q.dequantize().double(), b.double()).float()
+        torch.testing.assert_close(got, ref, rtol=0, atol=3e-5)  # summation order only
+        # not the float32 product: the activations were rounded
+        assert float((got - F.linear(x, q.dequantize(), b)).abs().max()) > 1e-3
+
+
+@needs_kernel
+def test_q4x8_rows_do_not_depend_on_their_batch():
+    torch.manual_seed(1)
+    x = torch.randn(13, 576)
+    for q in (Q4x8Weight.pack(quantize_q4(torch.randn(64, 576))),
+              Q8x8Weight.pack(quantize_q8(torch.randn(64, 576)))):
+        lin = Linear(q, None, torch.float32)
+        batch = lin(x)
+        for r in (0, 4, 12):
+            assert torch.equal(lin(x[r:r + 1]), batch[r:r + 1])
+
+
+@needs_kernel
+def test_kernel_quantizes_activations_as_quantize_q8():
+    from flare.kernels import qgemm
+
+    torch.manual_seed(2)
+    x = torch.randn(5, 128) * torch.logspace(-3, 3, 5)[:, None]
+    x[1, 32:64] = 0.0
+    x[2, :32] = torch.arange(32) - 15.5  # x / d lands on many halves: ties to even
+    codes, scales = qgemm().quantize_rows_q8(x)
+    ref = quantize_q8(x)
+    assert torch.equal(codes, ref.codes) and torch.equal(scales, ref.scales)
+
+
+def test_interleaved_layout_round_trips_and_fuses():
+    torch.manual_seed(3)
+    a, b = torch.randn(16, 64), torch.randn(24, 64)
+    qa, qb = quantize_q4(a), quantize_q4(b)
+    pa = Q4x8Weight.pack(qa)
+    assert not torch.equal(pa.codes, qa.codes)  # moved, same shape
+    assert pa.codes.shape == qa.codes.shape and pa.nbytes == qa.nbytes
+    assert all(torch.equal(u, v) for u, v in zip(pa.unpack().parts(), qa.parts()))
+    fused = cat_weights([pa, Q4x8Weight.pack(qb)])
+    assert torch.equal(fused.dequantize(), cat_weights([qa, qb]).dequantize())
+    q8 = quantize_q8(b)
+    p8 = Q8x8Weight.pack(q8)
+    ids = torch.tensor([0, 7, 8, 23, 5])
+    assert torch.equal(p8[ids], q8[ids])  # the embedding lookup reads the packed rows
+    assert torch.equal(p8.dequantize(), q8.dequantize())
+    with pytest.raises(ValueError, match="'x.odd.weight' has 12 output rows"):
+        convert_tensors({"x.odd.weight": torch.randn(12, 64)}, "q4x8")
+
+
 def test_weight_getter_and_cat_assemble_parts():
     torch.manual_seed(0)
     a, b = torch.randn(8, 64), torch.randn(16, 64)
@@ -166,24 +232,32 @@ def test_weight_getter_and_cat_assemble_parts():
         get("nope")
     with pytest.raises(ValueError, match="multiple of 32"):
         convert_tensors({"y.weight": torch.randn(4, 40)}, "q4")
+    stored = convert_tensors({"x.a.weight": a, "lm_head.weight": b}, "q4x8")
+    assert set(stored) == ({f"x.a.weight{s}" for s in Q4X8_SUFFIXES}
+                           | {f"lm_head.weight{s}" for s in Q8X8_SUFFIXES})
+    get = weight_getter(stored)
+    assert isinstance(get("x.a.weight"), Q4x8Weight)
+    assert isinstance(get("lm_head.weight"), Q8x8Weight)
 
 
 @needs_kernel
-def test_q4_applies_only_where_the_kernel_serves_it(monkeypatch):
-    check_weight_format("q4", dtype="float32", device="cpu", recipe="llama")
+@pytest.mark.parametrize("fmt", ["q4", "q4x8"])
+def test_q4_applies_only_where_the_kernel_serves_it(monkeypatch, fmt):
+    check_weight_format(fmt, dtype="float32", device="cpu", recipe="llama")
     for kw in (dict(dtype="bfloat16", device="cpu", recipe="llama"),
                dict(dtype="float32", device="cuda", recipe="llama"),
                dict(dtype="float32", device="cpu", recipe="lfm2")):
-        with pytest.raises(ValueError, match="'q4' does not apply"):
-            check_weight_format("q4", **kw)
+        with pytest.raises(ValueError, match=f"'{fmt}' does not apply"):
+            check_weight_format(fmt, **kw)
     import flare.kernels
 
     monkeypatch.setattr(flare.kernels, "qgemm_problem", lambda: "the CPU lacks avx2")
     with pytest.raises(ValueError, match="not available on this machine: the CPU lacks avx2"):
-        check_weight_format("q4", dtype="float32", device="cpu", recipe="llama")
+        check_weight_format(fmt, dtype="float32", device="cpu", recipe="llama")
 
 
-def test_linear_falls_back_to_dense_without_the_kernel(monkeypatch):
+@pytest.mark.parametrize("pack", [False, True])
+def test_linear_falls_back_to_dense_without_the_kernel(monkeypatch, pack):
     import flare.kernels
 
     def unavailable():
@@ -191,6 +265,8 @@ def test_linear_falls_back_to_dense_without_the_kernel(monkeypatch):
 
     monkeypatch.setattr(flare.kernels, "qgemm", unavailable)
     q = quantize_q4(torch.randn(16, 64))
+    if pack:
+        q = Q4x8Weight.pack(q)
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         lin = Linear(q, None, torch.float32)
     x = torch.randn(2, 64)
@@ -220,16 +296,18 @@ def _greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:
 
 
 @needs_kernel
-def test_prepare_q4_writes_a_package_serve_loads(tiny_qwen3_dir, tmp_path):
+@pytest.mark.parametrize("fmt", ["q4", "q4x8"])
+def test_prepare_q4_writes_a_package_serve_loads(tiny_qwen3_dir, tmp_path, fmt):
     ckpt = load_checkpoint(tiny_qwen3_dir)
-    m = prepare_package(tiny_qwen3_dir, tmp_path / "pkg", max_seq_len=128, weights="q4",
+    m = prepare_package(tiny_qwen3_dir, tmp_path / "pkg", max_seq_len=128, weights=fmt,
                         progress=False)
-    assert m.tuning["weights"] == "q4"
-    stored = convert_tensors(ckpt.tensors, "q4")
-    assert m.memory["weights_bytes"] == serving_weight_bytes(stored, "q4", False)
+    assert m.tuning["weights"] == fmt
+    stored = convert_tensors(ckpt.tensors, fmt)
+    assert m.memory["weights_bytes"] == serving_weight_bytes(stored, fmt, False)
     loaded = load_package(tmp_path / "pkg")
-    assert loaded.tensors["model.layers.0.mlp.up_proj.weight.q4_codes"].dtype == torch.uint8
-    assert loaded.tensors["model.embed_tokens.weight.q8_codes"].dtype == torch.int8
+    q4, q8 = (Q4_SUFFIXES, Q8_SUFFIXES) if fmt == "q4" else (Q4X8_SUFFIXES, Q8X8_SUFFIXES)
+    assert loaded.tensors["model.layers.0.mlp.up_proj.weight" + q4[0]].dtype == torch.uint8
+    assert loaded.tensors["model.embed_tokens.weight" + q8[0]].dtype == torch.int8
     ids = ckpt.tokenizer.encode("The capital of France is", add_special_tokens=False)
     served = _greedy(Engine.from_package(loaded), ids)
     plan = make_plan(ckpt.config, max_seq_len=128, max_num_seqs=8)
@@ -237,23 +315,26 @@ def test_prepare_q4_writes_a_package_serve_loads(tiny_qwen3_dir, tmp_path):
 
 
 @needs_kernel
-def test_cli_prepare_accepts_q4(tiny_qwen3_dir, tmp_path):
+@pytest.mark.parametrize("fmt", ["q4", "q4x8"])
+def test_cli_prepare_accepts_q4(tiny_qwen3_dir, tmp_path, fmt):
     from flare.cli import main
 
     assert main(["prepare", str(tiny_qwen3_dir), "--out", str(tmp_path / "p"),
-                 "--max-seq-len", "64", "--weights", "q4"]) == 0
+                 "--max-seq-len", "64", "--weights", fmt]) == 0
     assert json.loads((tmp_path / "p" / "manifest.json").read_text())["tuning"]["weights"] \
-        == "q4"
+        == fmt
 
 
 @needs_kernel
-def test_q4_reuse_equals_recompute(tiny_qwen3_dir):
-    """A prompt whose first 40 tokens are cached (so only its tail is prefilled, in the
-    kernel) answers as on an engine without a prefix cache (whole prompt, MKL path)."""
+@pytest.mark.parametrize("fmt", ["q4", "q4x8"])
+def test_q4_reuse_equals_recompute(tiny_qwen3_dir, fmt):
+    """A prompt whose first 31-45 tokens are cached (so only its tail is prefilled, in the
+    kernel) answers as on an engine without a prefix cache (whole prompt: for `q4` the
+    dequantize + MKL path, for `q4x8` the same kernel as every batch)."""
     from engine_helpers import run, words
 
     ckpt = load_checkpoint(tiny_qwen3_dir)
-    stored = convert_tensors(ckpt.tensors, "q4")
+    stored = convert_tensors(ckpt.tensors, fmt)
 
     def engine(prefix_cache: bool) -> Engine:
         plan = make_plan(ckpt.config, max_seq_len=512, max_num_seqs=8, max_batch_tokens=128,

@@ -1,7 +1,8 @@
 """Flare's own C++ CPU kernels, compiled on first use and cached.
 
 `qgemm()` returns the extension module built from `qgemm.cpp` (block-quantized weight
-GEMMs, see that file and `flare.models.quant`) and `fused.cpp` (fused float32 ops for the
+GEMMs, see that file and `flare.models.quant`), `qdot8.cpp` (the same with int8
+activations, weight format `q4x8`) and `fused.cpp` (fused float32 ops for the
 dense decoder's small per-layer steps: RMSNorm, residual add + RMSNorm, RoPE + K/V store,
 SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
 `fused_ops()` returns the same module for those ops, or None where it cannot be had or
@@ -39,9 +40,9 @@ import torch
 
 from flare.cache_dir import default_cache_dir
 
-SOURCES = [Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("fused.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
-HEADERS = [Path(__file__).with_name("simd.h")]  # included by the sources
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # included by the sources
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,10 @@ def qgemm() -> ModuleType:
         q8_linear(x [B, K], codes int8 [N, K], scales [N, K/32]) -> y [B, N]
         q4_dequantize(codes, scales, mins) -> w [N, K]
         q4_dequantize_into(codes, scales, mins, out [N, K]) -> None
+        q4x8_linear(x [B, K], codes, scales, mins) -> y [B, N]   (qdot8.cpp: int8
+        q8x8_linear(x [B, K], codes, scales) -> y [B, N]          activations, weights
+            in the 8-row interleaved layout of `flare.models.quant.Q4x8Weight`)
+        quantize_rows_q8(x [B, K]) -> (codes int8 [B, K], scales [B, K/32])
         rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention (see `fused_ops`)
 
     Raises:

@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "qrows.h"
 #include "simd.h"
 
 #include <cstdint>
@@ -32,8 +33,10 @@
 
 namespace {
 
-constexpr int64_t QK = 32;    // values per block
-constexpr int64_t TILE = 8;  // rows of x per pass over a weight row (registers: 8 + 5)
+using flare_qrows::QK;
+using flare_qrows::TILE;
+using flare_qrows::check_common;
+using flare_qrows::for_rows;
 
 using flare_simd::dot;
 using flare_simd::hsum;
@@ -149,42 +152,6 @@ inline void q8_row(const int8_t* c, const float* sc, const float* x, int64_t K, 
   for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]);
 }
 
-void check_common(const torch::Tensor& x, const torch::Tensor& codes,
-                  const torch::Tensor& scales, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [B, K] tensor");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
-              "codes and scales must be contiguous");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == K / QK,
-              "scales must be float32 [N, K/32]");
-}
-
-// Rows of x are split into tiles of TILE; within an output row every tile reuses the
-// weight row while it is in L1.
-template <typename RowFn>
-void for_rows(int64_t B, int64_t N, RowFn row) {
-  const int64_t grain = std::max<int64_t>(8, N / (4 * at::get_num_threads()) + 1);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t b0 = 0; b0 < B; b0 += TILE) row(n, b0, std::min(TILE, B - b0));
-  });
-}
-
-#define FLARE_DISPATCH_R(R_, CALL)                                 \
-  switch (R_) {                                                    \
-    case 1: { constexpr int R = 1; CALL; } break;                  \
-    case 2: { constexpr int R = 2; CALL; } break;                  \
-    case 3: { constexpr int R = 3; CALL; } break;                  \
-    case 4: { constexpr int R = 4; CALL; } break;                  \
-    case 5: { constexpr int R = 5; CALL; } break;                  \
-    case 6: { constexpr int R = 6; CALL; } break;                  \
-    case 7: { constexpr int R = 7; CALL; } break;                  \
-    default: { constexpr int R = 8; CALL; } break;                 \
-  }
-
 torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& codes,
                         const torch::Tensor& scales, const torch::Tensor& mins) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
@@ -272,6 +239,7 @@ torch::Tensor q4_dequantize(const torch::Tensor& codes, const torch::Tensor& sca
 }  // namespace
 
 void flare_register_fused(pybind11::module_& m);  // fused.cpp
+void flare_register_qdot8(pybind11::module_& m);  // qdot8.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Flare block-quantized (q4, q8) weight GEMMs and fused float32 ops, AVX2/FMA";
@@ -279,5 +247,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "y[B, N] = x[B, K] @ dequant_q8(W)^T, float32");
   m.def("q4_dequantize", &q4_dequantize, "float32 [N, K] = scale * code + min");
   m.def("q4_dequantize_into", &q4_dequantize_into, "as q4_dequantize, into out [N, K]");
+  flare_register_qdot8(m);  // q4x8_linear, q8x8_linear, quantize_rows_q8
   flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention
 }

@@ -59,6 +59,27 @@ on a shared machine; medians of 5): fp32 1.22 ms at 1 token, 2.82 ms at 8, 50.8 
   Engine, one thread: decode at batch 1 29.1 (fp16) / 40.0 (q4) tok/s, 8 streams
   130.5 / 105.2 aggregate tok/s, prefill 512 tokens 301 / 267 tok/s, 2048 tokens
   213 / 205 tok/s (bench/peers.py prints the same rows at 2 threads).
+
+- `q4x8`: `q4`'s blocks (same quantizers, same bytes) with llama.cpp's arithmetic for
+  them: every linear layer's input row is quantized per block of 32 to int8 exactly as
+  `quantize_q8` quantizes a weight, and each block's dot product is an integer sum
+  (AVX2 `vpmaddubsw`), scaled in float32 (`flare.kernels` qdot8.cpp; Q4_1 x Q8_1 for the
+  layers, Q8_0 x Q8_0 for the embedding / output layer). The result is the float32
+  product of the dequantized weights and the dequantized activations (tests check it
+  against transformers with every linear layer's input so rounded). The weights are
+  stored with 8 rows interleaved (`Q4x8Weight`, `Q8x8Weight`: one 32-byte load feeds 8
+  outputs), so every 2-D weight needs a multiple of 8 rows. The kernel runs every batch
+  size, prompts included (no dequantize + MKL path): a row's result never depends on the
+  rows beside it. Activation rounding moves the embedded model's logits by up to about 1
+  (next-token agreement with the float product stays at 96 of 96 teacher-forced
+  positions, see tests/unit/test_quant_parity.py); `q4` keeps float32 activations.
+
+  Measured on the 2-core AVX2 machine, 2 threads, one kernel call with the weight in
+  cache, microseconds, q4 kernel / q4x8 kernel: q/k/v (960 x 576) 59 / 15 at 1 row,
+  238 / 87 at 8; gate/up (3072 x 576) 243 / 46 at 1 row, 784 / 258 at 8, 512 rows
+  (dequantize + MKL for q4) about 42,000 / 16,300. Engine on the embedded model (one run,
+  another job on the machine): decode at batch 1 66.3 (q4) / 114.8 (q4x8) tok/s, 8
+  streams 130.6 / 262.5 aggregate, prefill 512 tokens 516 / 340 tok/s.
 """
 
 from __future__ import annotations
@@ -71,10 +92,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("full", "fp16", "q4")
+WEIGHT_FORMATS = ("full", "fp16", "q4", "q4x8")
 QBLOCK = 32  # values per block of `q4` / `q8` weights, along the input axis
 Q4_SUFFIXES = (".q4_codes", ".q4_scales", ".q4_mins")  # uint8 [N, K/2], f32 [N, K/32] x 2
 Q8_SUFFIXES = (".q8_codes", ".q8_scales")  # int8 [N, K], float32 [N, K/32]
+# format `q4x8`: the same parts in the 8-row interleaved layout (`Q4x8Weight`, `Q8x8Weight`)
+Q4X8_SUFFIXES = (".q4x8_codes", ".q4x8_scales", ".q4x8_mins")
+Q8X8_SUFFIXES = (".q8x8_codes", ".q8x8_scales")
 # the weights `q4` stores Q8_0-style (embedding lookups need them row by row)
 Q8_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # Calls with at most this many rows run in the q4 kernel; larger ones dequantize the
@@ -105,19 +129,19 @@ def _fp16_ops() -> tuple[Callable, Callable]:
 def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> None:
     """Refuse a weight format the serving setup cannot run.
 
-    `q4` also needs Flare's C++ kernel (`flare.kernels.qgemm`): checking builds it
-    once (about a minute on 2 cores; cached on disk after).
+    `q4` and `q4x8` also need Flare's C++ kernel (`flare.kernels.qgemm`): checking
+    builds it once (about a minute on 2 cores; cached on disk after).
 
     Raises:
-        ValueError: unknown format; `fp16` or `q4` with a serving dtype other than
-            float32, a device other than CPU, or a recipe other than `llama` (all
-            named); `q4` where the kernel cannot be had (CPU without AVX2/FMA, no C++
+        ValueError: unknown format; `fp16`, `q4` or `q4x8` with a serving dtype other
+            than float32, a device other than CPU, or a recipe other than `llama` (all
+            named); `q4`/`q4x8` where the kernel cannot be had (CPU without AVX2/FMA, no C++
             compiler or ninja, failed build: the reason is in the message).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
-    if fmt in ("fp16", "q4"):
-        kernel = "fbgemm" if fmt == "fp16" else "Flare's q4 kernel"
+    if fmt in ("fp16", "q4", "q4x8"):
+        kernel = "fbgemm" if fmt == "fp16" else f"Flare's {fmt} kernel"
         why = []
         if dtype != "float32":
             why.append(f"serving dtype {dtype!r} (needs float32 activations)")
@@ -128,12 +152,12 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
         if why:
             raise ValueError(f"weight format {fmt!r} does not apply to " + ", ".join(why)
                              + "; use --weights full")
-    if fmt == "q4":
+    if fmt in ("q4", "q4x8"):
         from flare.kernels import qgemm_problem
 
         problem = qgemm_problem()  # builds the kernel once (about a minute), then cached
         if problem is not None:
-            raise ValueError(f"weight format 'q4' is not available on this machine: "
+            raise ValueError(f"weight format {fmt!r} is not available on this machine: "
                              f"{problem}; use --weights fp16")
 
 
@@ -285,11 +309,114 @@ def quantize_q8(w: torch.Tensor, name: str = "weight") -> Q8Weight:
     return Q8Weight(q.reshape(w.shape[0], -1).contiguous(), d.contiguous())
 
 
+# ---- q4x8: the same blocks, 8 rows interleaved ----------------------------------------
+#
+# Rows 8g..8g+7 of a weight form group g. Per group and block, q4 codes are 4 chunks of
+# 32 bytes and q8 codes 8 chunks: chunk c holds, for each row i of the group, the row's
+# block bytes 4c..4c+3 at bytes 4i..4i+3; scales and mins are [block, row]. One load then
+# feeds 8 output rows (see kernels/qdot8.cpp). As tensors the parts keep their `q4`/`q8`
+# shapes ([N, K/2], [N, K], [N, K/32]); groups are contiguous runs of 8 rows, so fusing
+# weights (q/k/v, gate/up) is still a concatenation along the output axis.
+
+def _interleave(t: torch.Tensor, bytes_per_chunk: int) -> torch.Tensor:
+    """Rows [N, C] (C = blocks x chunks x `bytes_per_chunk`) into the group layout."""
+    n, c = t.shape
+    chunks = c // bytes_per_chunk
+    return (t.reshape(n // 8, 8, chunks, bytes_per_chunk).permute(0, 2, 1, 3)
+            .contiguous().view(n, c))
+
+
+def _deinterleave(t: torch.Tensor, bytes_per_chunk: int) -> torch.Tensor:
+    n, c = t.shape
+    chunks = c // bytes_per_chunk
+    return (t.reshape(n // 8, chunks, 8, bytes_per_chunk).permute(0, 2, 1, 3)
+            .contiguous().view(n, c))
+
+
+def _check_groups(n: int, name: str) -> None:
+    if n % 8:
+        raise ValueError(f"weight {name!r} has {n} output rows: weight format 'q4x8' needs a "
+                         f"multiple of 8; use --weights q4")
+
+
+@dataclass(frozen=True)
+class Q4x8Weight:
+    """A `Q4Weight` [N, K] in the 8-row interleaved layout, run with int8 activations.
+
+    Attributes:
+        codes: uint8 [N, K/2]; scales, mins: float32 [N, K/32] (see the layout above).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+    @classmethod
+    def pack(cls, w: Q4Weight, name: str = "weight") -> "Q4x8Weight":
+        """Raises ValueError: N is not a multiple of 8 (naming `name`)."""
+        _check_groups(w.codes.shape[0], name)
+        return cls(_interleave(w.codes, 4), _interleave(w.scales, 1), _interleave(w.mins, 1))
+
+    def unpack(self) -> Q4Weight:
+        return Q4Weight(_deinterleave(self.codes, 4), _deinterleave(self.scales, 1),
+                        _deinterleave(self.mins, 1))
+
+    shape = Q4Weight.shape
+    nbytes = Q4Weight.nbytes
+    parts = Q4Weight.parts
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], as `Q4Weight.dequantize` of the unpacked blocks."""
+        return self.unpack().dequantize()
+
+
+@dataclass(frozen=True)
+class Q8x8Weight:
+    """A `Q8Weight` [N, K] in the 8-row interleaved layout, run with int8 activations.
+
+    Indexing with row ids (int64 [T]) returns those rows dequantized, float32 [T, K], as
+    `Q8Weight` does (the embedding lookup, read from the interleaved codes).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def pack(cls, w: Q8Weight, name: str = "weight") -> "Q8x8Weight":
+        """Raises ValueError: N is not a multiple of 8 (naming `name`)."""
+        _check_groups(w.codes.shape[0], name)
+        return cls(_interleave(w.codes, 4), _interleave(w.scales, 1))
+
+    def unpack(self) -> Q8Weight:
+        return Q8Weight(_deinterleave(self.codes, 4), _deinterleave(self.scales, 1))
+
+    shape = Q8Weight.shape
+    nbytes = Q8Weight.nbytes
+    parts = Q8Weight.parts
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        n, k = self.codes.shape
+        g, i = rows // 8, rows % 8
+        codes = self.codes.view(n // 8, k // 4, 8, 4)[g, :, i]  # [T, K/4, 4]
+        scales = self.scales.view(n // 8, k // QBLOCK, 8)[g, :, i]  # [T, K/32]
+        t = codes.shape[0]
+        return (codes.reshape(t, -1, QBLOCK).float() * scales.unsqueeze(-1)).view(t, k)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        return self.unpack().dequantize()
+
+
+QuantizedWeight = Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight
+_SUFFIXES = ((Q4_SUFFIXES, Q4Weight), (Q8_SUFFIXES, Q8Weight), (Q4X8_SUFFIXES, Q4x8Weight),
+             (Q8X8_SUFFIXES, Q8x8Weight))
+
+
 def weight_getter(tensors: Mapping[str, torch.Tensor]
-                  ) -> Callable[[str], torch.Tensor | Q4Weight | Q8Weight]:
-    """`get(name)` over stored tensors: the tensor itself, or the `Q4Weight` / `Q8Weight`
-    assembled from `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES` where the weight is stored in
-    parts (format `q4`). The names are listed once (a package mapping reads a tensor per
+                  ) -> Callable[[str], torch.Tensor | QuantizedWeight]:
+    """`get(name)` over stored tensors: the tensor itself, or the quantized weight
+    assembled from `name` + its kind's suffixes where the weight is stored in parts
+    (`Q4Weight`, `Q8Weight` for format `q4`; `Q4x8Weight`, `Q8x8Weight` for `q4x8`). The names are listed once (a package mapping reads a tensor per
     access, so membership is never tested by reading).
 
     Raises (from get):
@@ -297,24 +424,23 @@ def weight_getter(tensors: Mapping[str, torch.Tensor]
     """
     names = set(tensors)
 
-    def get(name: str) -> torch.Tensor | Q4Weight | Q8Weight:
+    def get(name: str) -> torch.Tensor | QuantizedWeight:
         if name in names:
             return tensors[name]
-        if name + Q4_SUFFIXES[0] in names:
-            return Q4Weight(*(tensors[name + sfx] for sfx in Q4_SUFFIXES))
-        if name + Q8_SUFFIXES[0] in names:
-            return Q8Weight(*(tensors[name + sfx] for sfx in Q8_SUFFIXES))
+        for suffixes, kind in _SUFFIXES:
+            if name + suffixes[0] in names:
+                return kind(*(tensors[name + sfx] for sfx in suffixes))
         raise ValueError(f"weights lack tensor {name!r}")
 
     return get
 
 
-def cat_weights(weights: list[torch.Tensor | Q4Weight | Q8Weight]
-                ) -> torch.Tensor | Q4Weight | Q8Weight:
+def cat_weights(weights: list[torch.Tensor | QuantizedWeight]
+                ) -> torch.Tensor | QuantizedWeight:
     """Weights [N_i, K] of one kind stacked along the output axis (fused q/k/v, gate/up).
 
     Raises:
-        ValueError: the weights mix kinds (tensor, q4, q8).
+        ValueError: the weights mix kinds (tensor, q4, q8, q4x8, q8x8).
     """
     if len(weights) == 1:
         return weights[0]
@@ -322,7 +448,7 @@ def cat_weights(weights: list[torch.Tensor | Q4Weight | Q8Weight]
     if len(kinds) != 1:
         raise ValueError(f"cannot fuse weights stored as {sorted(k.__name__ for k in kinds)}")
     kind = kinds.pop()
-    if kind in (Q4Weight, Q8Weight):
+    if kind in (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight):  # groups stack as rows
         return kind(*(torch.cat(p) for p in zip(*(w.parts() for w in weights))))
     return torch.cat(weights)
 
@@ -331,18 +457,21 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, 
     """The tensors a package of format `fmt` stores: `full` returns them as they are;
     `fp16` casts every 2-D `*.weight` to float16 (round to nearest even), same names;
     `q4` replaces every 2-D `*.weight` by its parts (`quantize_q4`, or `quantize_q8` for
-    the `Q8_NAMES`), stored as `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES`. 1-D tensors
-    (norms, biases) are kept as they are.
+    the `Q8_NAMES`), stored as `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES`; `q4x8` stores the
+    same blocks in the 8-row interleaved layout (`Q4x8Weight.pack`, `Q8x8Weight.pack`)
+    under `Q4X8_SUFFIXES` / `Q8X8_SUFFIXES`. 1-D tensors (norms, biases) are kept as they
+    are.
 
     Raises:
         ValueError: unknown format; for `fp16` a weight beyond float16's range; for `q4`
-            a weight whose input axis is not a multiple of 32 (each named).
+            and `q4x8` a weight whose input axis is not a multiple of 32, for `q4x8` one
+            whose output axis is not a multiple of 8 (each named).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
     if fmt == "full":
         return dict(tensors)
-    if fmt == "q4":
+    if fmt in ("q4", "q4x8"):
         out: dict[str, torch.Tensor] = {}
         for k, v in tensors.items():
             if not _is_stored_low(k, v):
@@ -350,11 +479,16 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, 
                 continue
             if v.shape[1] % QBLOCK:
                 raise ValueError(f"weight {k!r} has shape {tuple(v.shape)}: weight format "
-                                 f"'q4' needs an input axis that is a multiple of "
+                                 f"{fmt!r} needs an input axis that is a multiple of "
                                  f"{QBLOCK}; use --weights fp16")
             q8 = k in Q8_NAMES
-            parts = (quantize_q8 if q8 else quantize_q4)(v, k).parts()
-            out.update(zip((k + sfx for sfx in (Q8_SUFFIXES if q8 else Q4_SUFFIXES)), parts))
+            w = (quantize_q8 if q8 else quantize_q4)(v, k)
+            if fmt == "q4x8":
+                w = (Q8x8Weight if q8 else Q4x8Weight).pack(w, k)
+                suffixes = Q8X8_SUFFIXES if q8 else Q4X8_SUFFIXES
+            else:
+                suffixes = Q8_SUFFIXES if q8 else Q4_SUFFIXES
+            out.update(zip((k + sfx for sfx in suffixes), w.parts()))
         return out
     bad = fp16_overflow(tensors)
     if bad is not None:
@@ -375,14 +509,14 @@ def serving_weight_bytes(tensors: Mapping[str, torch.Tensor], fmt: str,
                          tied_embeddings: bool) -> int:
     """Bytes of weights a served dense model holds for `tensors` stored in format `fmt`.
 
-    `full` and `q4`: the stored bytes (fused q/k/v and gate/up replace their parts; with
+    `full`, `q4` and `q4x8`: the stored bytes (fused q/k/v and gate/up replace their parts; with
     `q4` a tied output layer runs on the embedding's own q8 blocks; the float32 scratch
     buffer prefill dequantizes into, the largest layer weight's size per thread, is not
     counted). `fp16`: each 2-D weight in fbgemm's packed layout (`fp16_packed_bytes`),
     plus the float16 token embedding table for lookups (with tied embeddings the output
     layer is a packed copy of it); 1-D tensors as stored.
     """
-    if fmt in ("full", "q4"):
+    if fmt in ("full", "q4", "q4x8"):
         return sum(t.numel() * t.element_size() for t in tensors.values())
     total = 0
     for name, t in tensors.items():
@@ -415,9 +549,10 @@ class Linear:
 
     Args:
         weight: [out, in], in `dtype` (plain `F.linear`), or float16 with `dtype` float32
-            (fbgemm fp16 GEMM on CPU; widened to float32 elsewhere), or a `Q4Weight` /
-            `Q8Weight` with `dtype` float32 on CPU (Flare's kernel; where it cannot be
-            had, dequantized to float32 at load with a warning).
+            (fbgemm fp16 GEMM on CPU; widened to float32 elsewhere), or a quantized
+            weight (`Q4Weight`, `Q8Weight`, `Q4x8Weight`, `Q8x8Weight`) with `dtype`
+            float32 on CPU (Flare's kernels; where they cannot be had, dequantized to
+            float32 at load with a warning).
         bias: [out] in `dtype`, or None.
         dtype: the serving dtype of activations.
 
@@ -428,11 +563,11 @@ class Linear:
             a q4/q8 weight under another dtype or off the CPU.
     """
 
-    def __init__(self, weight: torch.Tensor | Q4Weight | Q8Weight, bias: torch.Tensor | None,
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed = self.qweight = None
-        if isinstance(weight, (Q4Weight, Q8Weight)):
+        if isinstance(weight, (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight)):
             if dtype != torch.float32 or weight.codes.device.type != "cpu":
                 raise ValueError(f"q4/q8 weights serve float32 activations on CPU, not "
                                  f"{dtype} on {weight.codes.device}")
@@ -469,7 +604,13 @@ class Linear:
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         w, k = self.qweight, self._kernels
         x = x.contiguous()
-        if isinstance(w, Q4Weight):
+        # q4x8: int8 activations at every batch size (the same result for a row whatever
+        # the rows beside it), faster than dequantize + MKL even for prompts
+        if isinstance(w, Q4x8Weight):
+            y = k.q4x8_linear(x, w.codes, w.scales, w.mins)
+        elif isinstance(w, Q8x8Weight):
+            y = k.q8x8_linear(x, w.codes, w.scales)
+        elif isinstance(w, Q4Weight):
             if x.shape[0] <= Q_KERNEL_MAX_ROWS:
                 y = k.q4_linear(x, w.codes, w.scales, w.mins)
             else:

@@ -3,9 +3,9 @@
 A package folder holds:
     model.safetensors   weights, Hugging Face names, serving dtype; with weight format
                         `fp16` (manifest tuning "weights") the 2-D weights of a `llama`
-                        recipe model are float16; with `q4` they are stored as
-                        4-bit / 8-bit block parts under suffixed names (see
-                        `flare.models.quant`)
+                        recipe model are float16; with `q4` (and `q4x8`, rows
+                        interleaved) they are stored as 4-bit / 8-bit block parts under
+                        suffixed names (see `flare.models.quant`)
     tokenizer files     whatever `tokenizer.save_pretrained` writes (transformers 5:
                         tokenizer.json, tokenizer_config.json, chat_template.jinja)
     manifest.json       `flare.contract.Manifest`
@@ -308,7 +308,7 @@ def prepare_package(
             ValueError).
         host_tier_bytes, disk_tier_bytes: budgets of the host and disk tiers of endpoint
             states (bytes; 0 = no such tier; flare.state.tiers).
-        weights: weight format of the linear layers, "full", "fp16" or "q4"
+        weights: weight format of the linear layers, "full", "fp16", "q4" or "q4x8"
             (`flare.models.quant`); None = `default_weight_format`: "fp16" on CPU with
             float32 for recipe `llama`, else "full". Recorded as tuning["weights"].
 

@@ -1,0 +1,282 @@
+// Block-quantized weight GEMMs with int8 activations (weight format `q4x8`), AVX2.
+//
+// The arithmetic of llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products: each row of x
+// [B, K] is quantized per block of 32 along K exactly as `flare.models.quant.quantize_q8`
+// quantizes a weight (d = amax / 127, q = round-half-even(x / d), an all-zero block has
+// d = 0 and q = 0), then every block's dot product is an integer sum:
+//
+//   q4 weights (value = dw * c + mw, c in 0..15):
+//     y = sum_blocks dw * dx * sum_j(c_j * q_j) + mw * (dx * sum_j(q_j))
+//   q8 weights (value = dw * c, c in -127..127):
+//     y = sum_blocks dw * dx * sum_j(c_j * q_j)
+//
+// (dx * sum(q) is Q8_1's s). So y is the float32 product of the dequantized weights and
+// the dequantized activations, up to summation order: the integer sums are exact, and
+// only the activation rounding (at most amax/254 per value) departs from `qgemm.cpp`'s
+// float32 product. Every row of x is computed by the same instructions whatever the
+// batch, so a token's result does not depend on the tokens computed beside it.
+//
+// Weights are in the 8-row interleaved layout `flare.models.quant` stores for `q4x8`:
+// rows 8g..8g+7 form group g (N is a multiple of 8), and a group's block kb is
+//   q4: 128 bytes in 4 chunks of 32; chunk c holds, for each row i of the group, the
+//       row's block bytes 4c..4c+3 (elements 4c..4c+3 in the low nibbles, 16+4c..19+4c
+//       in the high ones) at bytes 4i..4i+3;
+//   q8: 256 bytes in 8 chunks of 32; chunk c holds row i's codes 4c..4c+3 at 4i..4i+3;
+// and the group's scales (and mins) are [nb, 8] (block, row). So one 32-byte load feeds
+// 8 output rows, a lane each, and x's 4 codes for that chunk are one broadcast dword:
+// per row of x and group block, 8 multiply-adds (u8 x s8 to int16 pairs), their sum, one
+// pair-add to int32, a convert and two FMAs give 8 outputs' block terms at once.
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include "qrows.h"
+
+#include <algorithm>
+#include <cstring>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using flare_qrows::QK;
+using flare_qrows::check_common;
+
+// q [B, K] int8, d [B, K/32], s [B, K/32] (when not null: d * sum(q) of each block, the
+// block sum of the dequantized x, which q4's min term multiplies).
+void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t nb = K / QK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < B * nb; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]),
+                                           _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
+                                           _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float db = amax / 127.0f;
+    d[b] = db;
+    int8_t* qb = q + b * QK;
+    if (db == 0.0f) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
+      if (s != nullptr) s[b] = 0.0f;
+      continue;
+    }
+    // x / d, not x * (1 / d): the division rounds as torch's does, so the codes equal
+    // quantize_q8's bit for bit
+    const __m256 dv = _mm256_set1_ps(db);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(
+          _mm256_div_ps(v[i], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // |code| <= 127, so the saturating packs are exact; they interleave 128-bit lanes,
+    // which the permute puts back in element order
+    if (s != nullptr) {
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]),
+                                         _mm256_add_epi32(i32[2], i32[3]));
+      alignas(32) int32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), t);
+      int32_t sum = 0;
+      for (int32_t v : lanes) sum += v;
+      s[b] = db * static_cast<float>(sum);
+    }
+    const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
+    const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
+    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p8);
+  }
+}
+
+// Activations quantized once per call, shared by every output row.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  QuantizedRows(const torch::Tensor& x, bool sums) {
+    const int64_t B = x.size(0), K = x.size(1);
+    q.resize(B * K);
+    d.resize(B * K / QK);
+    if (sums) s.resize(B * K / QK);
+    const float* xd = x.data_ptr<float>();
+    const int64_t nb = K / QK;
+    at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // prompts: many rows
+      quantize_rows(xd + b0 * K, b1 - b0, K, q.data() + b0 * K, d.data() + b0 * nb,
+                    sums ? s.data() + b0 * nb : nullptr);
+    });
+  }
+};
+
+// R rows of quantized x against one q4 group: acc[r] (8 lanes, one per weight row).
+template <int R>
+inline void q4_group(const uint8_t* pc, const float* ps, const float* pm, const int8_t* xq,
+                     const float* xd, const float* xs, int64_t K, __m256* acc) {
+  const int64_t nb = K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* cb = pc + kb * 128;
+    __m256i w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the 8 rows
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
+      w[ch] = _mm256_and_si256(raw, low);
+      w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    const __m256 d8 = _mm256_loadu_ps(ps + kb * 8);
+    const __m256 m8 = _mm256_loadu_ps(pm + kb * 8);
+    for (int r = 0; r < R; ++r) {
+      int32_t xw[8];
+      std::memcpy(xw, xq + r * K + kb * QK, 32);
+      // each int16 pair sum is at most 2 * 15 * 127 = 3810 in magnitude: 8 of them add
+      // up without overflow
+      __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xw[0]));
+      for (int s = 1; s < 8; ++s)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(xw[s])));
+      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
+    }
+  }
+}
+
+// R rows of quantized x against one q8 group (signed codes).
+template <int R>
+inline void q8_group(const int8_t* pc, const float* ps, const int8_t* xq, const float* xd,
+                     int64_t K, __m256* acc) {
+  const int64_t nb = K / QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const int8_t* cb = pc + kb * 256;
+    __m256i raw[8], mag[8];
+    for (int ch = 0; ch < 8; ++ch) {
+      raw[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
+      mag[ch] = _mm256_sign_epi8(raw[ch], raw[ch]);  // |c|; codes are never -128
+    }
+    const __m256 d8 = _mm256_loadu_ps(ps + kb * 8);
+    for (int r = 0; r < R; ++r) {
+      int32_t xw[8];
+      std::memcpy(xw, xq + r * K + kb * QK, 32);
+      // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127, so each goes to
+      // int32 before the next is added
+      __m256i s32 = _mm256_setzero_si256();
+      for (int ch = 0; ch < 8; ++ch) {
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xw[ch]), raw[ch]);
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs), ones));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),
+                               _mm256_cvtepi32_ps(s32), acc[r]);
+    }
+  }
+}
+
+constexpr int64_t GTILE = 4;  // rows of x per pass over a group (registers: 8 + 4 + 4)
+
+// Splits the N / 8 groups over torch's threads; each group takes x in tiles of GTILE rows
+// (the group's weights stay in L1 between tiles) and stores 8 outputs per row.
+template <typename GroupFn>
+void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
+  const int64_t G = N / 8;
+  const int64_t grain = std::max<int64_t>(1, G / (4 * at::get_num_threads()) + 1);
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b0 = 0; b0 < B; b0 += GTILE) {
+        const int64_t rows = std::min(GTILE, B - b0);
+        __m256 acc[GTILE];
+        group(g, b0, rows, acc);
+        for (int64_t r = 0; r < rows; ++r)
+          _mm256_storeu_ps(out + (b0 + r) * N + 8 * g, acc[r]);
+      }
+  });
+}
+
+#define FLARE_DISPATCH_GTILE(R_, CALL)                             \
+  switch (R_) {                                                    \
+    case 1: { constexpr int R = 1; CALL; } break;                  \
+    case 2: { constexpr int R = 2; CALL; } break;                  \
+    case 3: { constexpr int R = 3; CALL; } break;                  \
+    default: { constexpr int R = 4; CALL; } break;                 \
+  }
+
+void check_packed(const torch::Tensor& x, const torch::Tensor& codes,
+                  const torch::Tensor& scales, int64_t K) {
+  check_common(x, codes, scales, K);
+  TORCH_CHECK(codes.size(0) % 8 == 0, "packed weights have a multiple of 8 rows, got ",
+              codes.size(0));
+}
+
+torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& scales, const torch::Tensor& mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
+              "q4 codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
+  check_packed(x, codes, scales, K);
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kFloat32 &&
+                  mins.is_contiguous(), "mins must be float32 like scales");
+  auto y = torch::empty({B, N}, x.options());
+  if (B == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  const QuantizedRows xr(x, true);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const float* mn = mins.data_ptr<float>();
+  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
+    FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, sc + g * nb * 8, mn + g * nb * 8,
+                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
+                                            xr.s.data() + b0 * nb, K, acc)));
+  });
+  return y;
+}
+
+torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8,
+              "q8 codes must be int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), B = x.size(0);
+  check_packed(x, codes, scales, K);
+  auto y = torch::empty({B, N}, x.options());
+  if (B == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  const QuantizedRows xr(x, false);
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const float* sc = scales.data_ptr<float>();
+  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
+    FLARE_DISPATCH_GTILE(rows, (q8_group<R>(c + g * nb * 256, sc + g * nb * 8,
+                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
+                                            acc)));
+  });
+  return y;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows_q8(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [B, K] tensor");
+  const int64_t B = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  auto q = torch::empty({B, K}, x.options().dtype(torch::kInt8));
+  auto d = torch::empty({B, K / QK}, x.options());
+  quantize_rows(x.data_ptr<float>(), B, K, q.data_ptr<int8_t>(), d.data_ptr<float>(),
+                nullptr);
+  return {q, d};
+}
+
+}  // namespace
+
+void flare_register_qdot8(pybind11::module_& m) {
+  m.def("q4x8_linear", &q4x8_linear,
+        "y[B, N] = x[B, K] @ dequant_q4(W)^T with x quantized to int8 blocks, float32",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("mins"));
+  m.def("q8x8_linear", &q8x8_linear,
+        "y[B, N] = x[B, K] @ dequant_q8(W)^T with x quantized to int8 blocks, float32",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"));
+  m.def("quantize_rows_q8", &quantize_rows_q8,
+        "(codes int8 [B, K], scales float32 [B, K/32]): x's rows in Q8_0 blocks",
+        pybind11::arg("x"));
+}

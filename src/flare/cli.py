@@ -3,8 +3,9 @@
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
                                    --num-pages N --max-batch-tokens N --dtype D --name S
                                    --checkpoint-interval TOKENS --checkpoint-slots N
-                                   --weights full|fp16|q4|q4x8]
-    flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json]
+                                   --weights full|fp16|q4|q4x8 --device cpu|cuda[:N]]
+    flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json
+                     --device cpu|cuda[:N] --no-cuda-graphs]
     flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
     flare evidence verify PACKET [--metric M] [--max-ms X] [--out RECEIPT]
@@ -49,6 +50,18 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-tier-mib", type=non_negative_int, default=None,
                    help="disk for states pushed out of the host tier, MiB (default 8192; "
                         "0 = none; the folder is serve's --state-dir)")
+    g.add_argument("--device", type=device_name, default="cpu",
+                   help="cpu or cuda[:N]: the device the package is prepared for / served "
+                        "on (default cpu)")
+
+
+def device_name(text: str) -> str:
+    """argparse type of --device: "cpu", "cuda" or "cuda:N" (checked against the machine
+    later, by the contract)."""
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
 
 
 def _add_server_options(p: argparse.ArgumentParser) -> None:
@@ -115,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and of Flare's own loggers (default info)")
+    serve.add_argument("--no-cuda-graphs", action="store_true",
+                       help="CUDA: decode eagerly, ignoring the package's graph capture plan "
+                            "(for comparing; no effect on CPU)")
     serve.add_argument("--no-prefix-cache", action="store_true",
                        help="never reuse cached KV pages (every prompt is prefilled in full; "
                             "for measuring what reuse saves)")
@@ -171,7 +187,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                                model_name=args.name, progress=True,
                                checkpoint_interval=args.checkpoint_interval,
                                checkpoint_slots=args.checkpoint_slots, weights=args.weights,
-                               **_plan_kwargs(args))
+                               device=args.device, **_plan_kwargs(args))
     print(f"{args.out}\t{manifest.package_id}")
     return 0
 
@@ -184,8 +200,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from flare.prepare.package import ensure_package
 
         cache_dir = args.cache_dir or default_cache_dir()
-        package = ensure_package(embedded_model_path(), cache_dir,
-                                 dtype=args.dtype, progress=True, **_plan_kwargs(args))
+        package = ensure_package(embedded_model_path(), cache_dir, dtype=args.dtype,
+                                 device=args.device, progress=True, **_plan_kwargs(args))
         state_dir = args.state_dir or cache_dir / "state"
     else:
         package = args.package  # serve's load_package checks the contract (a one-line error)
@@ -206,7 +222,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           restore_cost_factor=args.restore_cost_factor,
           save_state_on_shutdown=args.save_state_on_shutdown,
           max_pinned_pages=args.max_pinned_pages,
-          shutdown_timeout_s=args.shutdown_timeout)
+          shutdown_timeout_s=args.shutdown_timeout, device=args.device,
+          cuda_graphs=not args.no_cuda_graphs)
     return 0
 
 

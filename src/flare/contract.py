@@ -78,7 +78,8 @@ class Manifest(BaseModel):
         tuning: choices made at prepare time (threads, batch token budget, weight format
             "weights": "full", "fp16", "q4" or "q4x8" (`flare.models.quant`), ...).
         graph_capture: what serve captures at start-up; {"enabled": False, "reason": ...}
-            when nothing.
+            when nothing (CPU, hybrid recipes), else {"enabled": True, "batch_sizes",
+            "context_pages", "attention"} (`flare.runtime.cuda_graphs.GraphPlan`).
         flare_version / torch_version: versions that prepared it.
         created_at: ISO 8601 UTC time of preparation.
         payload: file name (relative, POSIX) -> PayloadFile. `manifest.json` is not in it.

@@ -136,3 +136,50 @@ def paged_attention(
             return o[0].transpose(0, 1)
         out[s:s + t] = o[0].transpose(0, 1)
     return out
+
+
+STATIC_ATTENTION_KINDS = ("sdpa", "math")
+
+
+def static_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
+    mask: torch.Tensor, scale: float, kind: str = "sdpa",
+) -> torch.Tensor:
+    """Decode attention over fixed shapes: one query per row, every row reading M slots.
+
+    No data-dependent shape, no host sync and no branching on tensor values, so it can be
+    captured in a CUDA graph (`flare.runtime.cuda_graphs`). Rows shorter than M read
+    slots they must not see (pages past their end); `mask` hides them, so those slots only
+    need finite values (the cache is zeroed at allocation and only ever holds K/V).
+
+    Args:
+        q: [B, H, D] queries (RoPE applied), serving dtype.
+        k_cache, v_cache: [S, KVH, D] one layer's cache, already holding this step's K/V.
+        gather: int64 [B, M], the cache slot of each row's positions 0..M-1.
+        mask: bool [B, 1, 1, M], True = attend; every row attends to at least one slot.
+        scale: softmax scale.
+        kind: "sdpa" (`F.scaled_dot_product_attention`, as the eager decode path) or
+            "math" (softmax(q K^T * scale) V written out in float32).
+
+    Returns:
+        [B, H, D] in q's dtype. H must be a multiple of KVH (GQA).
+
+    Raises:
+        ValueError: an unknown `kind`.
+    """
+    b, m = gather.shape
+    kvh, d = k_cache.shape[1], q.shape[-1]
+    flat = gather.reshape(-1)
+    k = k_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)  # [B, KVH, M, D]
+    v = v_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
+    qd = q.reshape(b, kvh, -1, d)  # [B, KVH, G, D]: GQA folded into the query axis
+    if kind == "sdpa":
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    elif kind == "math":
+        scores = torch.matmul(qd.float(), k.float().transpose(-1, -2)) * scale  # [B,KVH,G,M]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+    else:
+        raise ValueError(f"static decode attention {kind!r} unknown; "
+                         f"known: {list(STATIC_ATTENTION_KINDS)}")
+    return o.reshape(b, -1, d)

@@ -27,13 +27,15 @@ kernel cannot be built the torch path below runs unchanged. The two paths agree 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from flare.models.attention import AttentionBatch, paged_attention
+from flare.models.attention import (AttentionBatch, paged_attention,
+                                    static_decode_attention)
 from flare.models.config import ModelConfig
 from flare.models.quant import Linear, cat_weights, weight_getter
 from flare.state.pools import KVCache
@@ -213,12 +215,63 @@ class LlamaModel:
         """
         if self.fused_ops is not None and kv.k.dtype == torch.float32 and len(self.layers):
             return self._forward_fused(input_ids, positions, batch, kv)
+        k_cache, v_cache = kv.k_layers, kv.v_layers  # per-layer views
+        scale = self.scale
+        return self._torch_layers(
+            input_ids, positions, batch.slot_mapping, kv,
+            lambda i, q: paged_attention(q, k_cache[i], v_cache[i], batch, scale))
+
+    @torch.inference_mode()
+    def decode_static(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                      context_lens: torch.Tensor, kv: KVCache,
+                      attention: str = "sdpa") -> torch.Tensor:
+        """One decode token for each of B rows, over fixed shapes (CUDA-graph capturable).
+
+        The torch path of `forward` (never the fused CPU ops) with attention over a block
+        table and a length mask (`flare.models.attention.static_decode_attention`): no
+        data-dependent shape, no host sync, no Python branch on a tensor value. Every
+        input lives on the cache's device.
+
+        Args:
+            input_ids: int64 [B], each row's new token.
+            positions: int64 [B], its position (= context length - 1).
+            slot_mapping: int64 [B], the cache slot its K/V is written to.
+            block_table: int32 or int64 [B, P], each row's page table; entries past a
+                row's last page may name any page whose K/V are finite (the engine's
+                padding page): they are masked.
+            context_lens: int64 [B], tokens each row attends to, its new token included,
+                1 <= len <= P * page_size.
+            kv: the paged cache; the B slots of `slot_mapping` are overwritten.
+            attention: "sdpa" or "math" (`static_decode_attention`).
+
+        Returns:
+            Final hidden states [B, hidden] after the last norm, in the serving dtype.
+        """
+        ps = kv.page_size
+        b, p = block_table.shape
+        offsets = torch.arange(ps, dtype=torch.int64, device=block_table.device)
+        gather = (block_table.to(torch.int64)[:, :, None] * ps + offsets).view(b, p * ps)
+        span = torch.arange(p * ps, dtype=torch.int64, device=block_table.device)
+        mask = (span[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
+        k_cache, v_cache = kv.k_layers, kv.v_layers
+        scale = self.scale
+        return self._torch_layers(
+            input_ids, positions, slot_mapping, kv,
+            lambda i, q: static_decode_attention(q, k_cache[i], v_cache[i], gather, mask,
+                                                 scale, attention))
+
+    def _torch_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, kv: KVCache,
+                      attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The decoder's torch path over T tokens: K/V written at `slots` ([T] int64), then
+        `attend(layer, q [T, H, D]) -> [T, H, D]` reads them; returns [T, hidden] after the
+        final norm."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
         x = self.embed[input_ids].to(self.dtype)  # [T, hidden] (widens float16 / q8 rows)
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self.sin_signed[positions].unsqueeze(1)
-        slots = batch.slot_mapping
         nqk = (h + kvh) * d
         k_cache, v_cache = kv.k_layers, kv.v_layers  # per-layer views
         for i, layer in enumerate(self.layers):
@@ -232,7 +285,7 @@ class LlamaModel:
             k = qk[:, h:]  # [T, KVH, D]
             k_cache[i].index_copy_(0, slots, k)
             v_cache[i].index_copy_(0, slots, qkv[:, nqk:].view(t, kvh, d))
-            o = paged_attention(qk[:, :h], k_cache[i], v_cache[i], batch, self.scale)  # [T,H,D]
+            o = attend(i, qk[:, :h])  # [T, H, D]
             x = x + layer.o_proj(o.reshape(t, h * d))
             gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)  # [T, hidden]

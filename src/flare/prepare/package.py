@@ -55,10 +55,11 @@ from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.quant import (WEIGHT_FORMATS, check_weight_format, convert_tensors,
                                 default_weight_format, fp16_overflow, serving_weight_bytes)
-from flare.models.recipe import RECIPE_VERSIONS, recipe_for
+from flare.models.recipe import RECIPE_VERSIONS, StateLayout, is_hybrid_recipe, recipe_for
 from flare.prepare.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
                                 CapacityPlan, dtype_from_name, dtype_name, layout_for,
                                 make_plan, memory_report)
+from flare.runtime.cuda_graphs import graph_memory_bytes, plan_buckets
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -173,12 +174,55 @@ def _measured_costs(ckpt: Any, tensors: Mapping[str, torch.Tensor], plan: Capaci
     return restore_cost_inputs(ckpt.config, plan, tensors, ckpt.tokenizer, folder, device)
 
 
-def graph_capture_for(device: str) -> dict[str, Any]:
-    """The graph capture plan: nothing is captured on CPU (no CUDA graphs); on CUDA
-    capture is not implemented yet."""
+def graph_capture_for(device: str, plan: CapacityPlan | None = None, recipe: str = "llama",
+                      attention: str = "sdpa") -> dict[str, Any]:
+    """The graph capture plan of the manifest.
+
+    On CPU nothing is captured; hybrid recipes decode eagerly (no static decode step);
+    on CUDA for recipe `llama`: {"enabled": True, "batch_sizes": [...], "context_pages":
+    [...], "attention": `attention`} from `flare.runtime.cuda_graphs.plan_buckets`.
+
+    Raises:
+        ValueError: CUDA and `llama` without a plan.
+    """
     if torch.device(device).type == "cpu":
         return {"enabled": False, "reason": "CPU: CUDA graphs do not apply"}
-    return {"enabled": False, "reason": "graph capture not implemented yet"}
+    if is_hybrid_recipe(recipe):
+        return {"enabled": False, "reason": f"recipe {recipe!r} keeps layer states: hybrid "
+                                            f"recipes decode eagerly"}
+    if plan is None:
+        raise ValueError("graph_capture_for: a CUDA package needs its capacity plan")
+    return plan_buckets(plan.max_num_seqs, plan.pages_per_seq, plan.page_size,
+                        attention).to_manifest()
+
+
+def _graph_bytes(capture: dict[str, Any], layout: StateLayout, vocab_size: int) -> int:
+    """Device bytes the capture plan adds (0 when disabled)."""
+    from flare.runtime.cuda_graphs import GraphPlan
+
+    graphs = GraphPlan.from_manifest(capture)
+    if graphs is None:
+        return 0
+    per_token_layer = layout.kv_bytes_per_token // max(layout.num_kv_layers, 1)
+    return graph_memory_bytes(graphs, page_bytes=layout.bytes_per_page,
+                              kv_bytes_per_token_layer=per_token_layer,
+                              page_size=layout.page_size, vocab_size=vocab_size)
+
+
+def _decode_attention_tuning(ckpt: Checkpoint, plan: CapacityPlan, device: str,
+                             recipe: str, progress: bool) -> dict[str, Any]:
+    """tuning["decode_attention"] of a CUDA `llama` package (`flare.prepare.attention_tune`);
+    {} elsewhere."""
+    if torch.device(device).type != "cuda" or is_hybrid_recipe(recipe):
+        return {}
+    from flare.prepare.attention_tune import measure_decode_attention
+
+    _stage("timing decode attention kernels", progress)
+    c = ckpt.config
+    return {"decode_attention": measure_decode_attention(
+        num_seqs=plan.max_num_seqs, tokens=plan.max_seq_len, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, page_size=plan.page_size,
+        dtype=dtype_from_name(plan.dtype), device=device)}
 
 
 def write_package(
@@ -223,8 +267,12 @@ def write_package(
                      checkpoint_slots=checkpoint_slots, checkpoint_interval=checkpoint_interval,
                      host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes)
     layout = layout_for(ckpt.config, plan)
+    attention = _decode_attention_tuning(ckpt, plan, device, recipe, progress)
+    capture = graph_capture_for(device, plan, recipe,
+                                attention.get("decode_attention", {}).get("choice", "sdpa"))
     report = memory_report(ckpt.config, plan, weights_bytes, device_total_bytes(device),
-                           host_is_device=device_class == "cpu")
+                           host_is_device=device_class == "cpu",
+                           graph_bytes=_graph_bytes(capture, layout, ckpt.config.vocab_size))
 
     stored_bytes = sum(t.numel() * t.element_size() for t in stored.values())
     _stage(f"writing {stored_bytes / 2**20:,.0f} MiB of weights (format {fmt}) to {out_dir}",
@@ -250,9 +298,9 @@ def write_package(
             device_class=device_class,
             plan=plan.to_dict(),
             memory=report.to_dict(),
-            tuning=tuning_for(device, plan) | {"weights": fmt} | _measured_costs(
+            tuning=tuning_for(device, plan) | {"weights": fmt} | attention | _measured_costs(
                 ckpt, stored, plan, out_dir.parent, device, progress),
-            graph_capture=graph_capture_for(device),
+            graph_capture=capture,
             flare_version=flare.__version__,
             torch_version=torch.__version__,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),

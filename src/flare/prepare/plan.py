@@ -111,6 +111,9 @@ class MemoryReport:
     conv/recurrent state pool of a hybrid recipe (0 for KV-only); `host_tier_bytes` and
     `disk_tier_bytes` are the tiers' budgets; `total_bytes` = weights + KV pool + state pool
     + workspace, plus the host tier when the device is the host (CPU).
+    `graph_workspace_bytes` is the part of `workspace_bytes` that CUDA graph capture adds
+    (the KV cache's padding page, the largest graph's gathered K/V, the graphs' static
+    inputs and logits; `flare.runtime.cuda_graphs.graph_memory_bytes`); 0 without graphs.
     """
 
     weights_bytes: int
@@ -123,6 +126,7 @@ class MemoryReport:
     state_slots: int = 0
     host_tier_bytes: int = 0
     disk_tier_bytes: int = 0
+    graph_workspace_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,9 +214,10 @@ def layout_for(config: ModelConfig, plan: CapacityPlan) -> StateLayout:
 
 def memory_report(
     config: ModelConfig, plan: CapacityPlan, weights_bytes: int, device_bytes: int,
-    host_is_device: bool = True,
+    host_is_device: bool = True, graph_bytes: int = 0,
 ) -> MemoryReport:
-    """Bytes for weights, KV pool, state pool and one step's workspace.
+    """Bytes for weights, KV pool, state pool and one step's workspace (plus
+    `graph_bytes` of CUDA graph capture, counted in the workspace).
 
     Raises:
         ValueError: the total exceeds `device_bytes`, naming every figure.
@@ -222,7 +227,7 @@ def memory_report(
     elem = torch.empty((), dtype=layout.dtype).element_size()
     act = plan.max_batch_tokens * (4 * config.hidden_size + 3 * config.intermediate_size) * elem
     logits = plan.max_num_seqs * config.vocab_size * 4
-    workspace = act + logits
+    workspace = act + logits + graph_bytes
     per_slot = layout.state_bytes_per_slot
     slots = plan.num_state_slots if layout.is_hybrid else 0
     state = per_slot * slots
@@ -231,7 +236,8 @@ def memory_report(
     report = MemoryReport(weights_bytes, kv, workspace, total, device_bytes,
                           state_pool_bytes=state, state_bytes_per_slot=per_slot,
                           state_slots=slots, host_tier_bytes=plan.host_tier_bytes,
-                          disk_tier_bytes=plan.disk_tier_bytes)
+                          disk_tier_bytes=plan.disk_tier_bytes,
+                          graph_workspace_bytes=graph_bytes)
     if total > device_bytes:
         raise ValueError(
             f"plan does not fit: weights {weights_bytes:,} + KV pool {kv:,} "

@@ -32,6 +32,7 @@ from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from flare.models.config import ModelConfig
 from flare.models.recipe import build_model, recipe_for
 from flare.prepare.plan import CapacityPlan, layout_for
+from flare.runtime.cuda_graphs import DecodeRunner, GraphPlan
 from flare.runtime.detokenize import IncrementalDetokenizer
 from flare.runtime.request import GenerationRequest, RequestOutput, RequestTimings
 from flare.runtime.sampling import PenaltyCounts, TokenHistory, sample
@@ -79,6 +80,7 @@ class EngineCounters:
     requests_aborted_total: int = 0
     steps_total: int = 0
     failed_steps_total: int = 0
+    eager_steps_total: int = 0  # steps run by the eager path (prefill, mixed, fallbacks)
 
 
 class Engine:
@@ -106,11 +108,18 @@ class Engine:
             EnqueueRejected).
         max_pinned_pages: most KV pages the named sessions' latest states may pin on the
             device together (default: a quarter of the pool).
+        decode_graphs: run decode-only steps through these fixed-shape buckets
+            (`flare.runtime.cuda_graphs`; dense `llama` recipe only). The KV cache then
+            gets one padding page more (outside the page pool). On CUDA each bucket is a
+            captured CUDA graph (captured here; if capture fails the engine logs it and
+            decodes eagerly); on CPU the static step runs eagerly (tests). None: every step
+            runs the eager path.
 
     Raises:
         ValueError: the plan cannot hold one sequence of `max_seq_len` tokens, or has
             fewer state slots than sequences for a hybrid recipe, or `state_dir` cannot
-            be used (another process holds it, not writable).
+            be used (another process holds it, not writable), or `decode_graphs` for a
+            hybrid recipe.
     """
 
     def __init__(self, config: ModelConfig, plan: CapacityPlan,
@@ -120,7 +129,8 @@ class Engine:
                  checkpoint_interval: int | None = None,
                  state_dir: str | Path | None = None, host_tier_bytes: int | None = None,
                  disk_tier_bytes: int | None = None, max_pending_transfers: int = 16,
-                 max_pinned_pages: int | None = None) -> None:
+                 max_pinned_pages: int | None = None,
+                 decode_graphs: GraphPlan | None = None) -> None:
         if plan.num_pages < plan.pages_per_seq:
             raise ValueError(
                 f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
@@ -135,7 +145,21 @@ class Engine:
         self._detok_tokenizer = copy.deepcopy(tokenizer)
         self.device = torch.device(device)
         self.model = build_model(config, tensors, max_positions=plan.max_seq_len)
-        self.kv = KVCache(self.layout, plan.num_pages, self.device)
+        if decode_graphs is not None and self.layout.is_hybrid:
+            raise ValueError(f"recipe {self.recipe!r} keeps layer states: it has no static "
+                             f"decode step (hybrid recipes decode eagerly)")
+        self.kv = KVCache(self.layout, plan.num_pages, self.device,
+                          padding_pages=1 if decode_graphs is not None else 0)
+        self.decoder: DecodeRunner | None = None
+        if decode_graphs is not None:
+            self.decoder = DecodeRunner(self.model, self.kv, decode_graphs,
+                                        capture=self.device.type == "cuda")
+            if self.decoder.capture:
+                try:
+                    self.decoder.capture_all()
+                except RuntimeError:
+                    log.exception("serving without CUDA graphs: every decode step eager")
+                    self.decoder = None
         self.pool = PagePool(plan.num_pages)
         self.states: StateSlotPool | None = None
         live_slots, ckpt_slots = 0, 0
@@ -223,10 +247,21 @@ class Engine:
             self._wake.notify()
 
     @classmethod
-    def from_package(cls, package: Any, **kwargs: Any) -> "Engine":
-        """Build from a `flare.prepare.package.LoadedPackage`; `kwargs` as for `Engine`."""
+    def from_package(cls, package: Any, *, cuda_graphs: bool = True,
+                     **kwargs: Any) -> "Engine":
+        """Build from a `flare.prepare.package.LoadedPackage` on the device its tensors
+        were loaded onto; `kwargs` as for `Engine`. The manifest's `graph_capture` plan is
+        honoured on CUDA unless `cuda_graphs` is False (`flare serve --no-cuda-graphs`).
+
+        Raises:
+            As `Engine`; ValueError for an unreadable `graph_capture` entry.
+        """
+        device = torch.device(kwargs.pop("device", getattr(package.tensors, "device", "cpu")))
+        graphs = GraphPlan.from_manifest(package.manifest.graph_capture)
+        if graphs is not None and cuda_graphs and device.type == "cuda":
+            kwargs.setdefault("decode_graphs", graphs)
         return cls(package.config, package.plan, package.tensors, package.tokenizer,
-                   namespace=package.manifest.package_id, **kwargs)
+                   device, namespace=package.manifest.package_id, **kwargs)
 
     # ---- thread-safe entry points -------------------------------------------------------
 
@@ -387,6 +422,8 @@ class Engine:
             "requests_aborted_total": c.requests_aborted_total,
             "steps_total": c.steps_total,
             "failed_steps_total": c.failed_steps_total,
+            "eager_steps_total": c.eager_steps_total,
+            **self._decoder_stats(),
             "prefix_cache_pages": self.prefix_index.num_pages if self.prefix_index else 0,
             "prefix_cache_evicted_pages_total":
                 self.prefix_index.stats.evicted_pages if self.prefix_index else 0,
@@ -401,6 +438,19 @@ class Engine:
             "session_pinned_pages": self.pins.pinned_pages,
             "session_pinned_budget_pages": self.pins.budget_pages,
             **(self.tiers.as_stats() if self.tiers is not None else {}),
+        }
+
+    def _decoder_stats(self) -> dict[str, int]:
+        """Decode steps by how they ran: replayed CUDA graphs, the static step without a
+        graph (CPU tests), decode-only steps that fit no bucket (run eagerly); and the
+        graphs held. All 0 without a runner."""
+        d = self.decoder
+        c = d.counters if d is not None else None
+        return {
+            "decode_graph_replays_total": c.graph_replays if c else 0,
+            "decode_static_eager_total": c.static_eager if c else 0,
+            "decode_graph_fallbacks_total": c.fallbacks if c else 0,
+            "decode_graphs_captured": d.num_graphs if d is not None else 0,
         }
 
     def check_integrity(self) -> None:
@@ -573,7 +623,51 @@ class Engine:
 
     @torch.inference_mode()
     def _run(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """Forward the chunks and sample a token for every chunk that reaches its end."""
+        """Forward the chunks and sample a token for every chunk that reaches its end.
+
+        A step of single tokens only (decode) goes through the static decode runner when
+        there is one and a bucket fits; everything else runs the eager path."""
+        sampling = [c.seq for c in chunks if c.samples]
+        logits = None
+        if self.decoder is not None and all(c.num_tokens == 1 for c in chunks):
+            logits = self._run_static(chunks)
+            if logits is not None and len(sampling) != len(chunks):
+                rows = [i for i, c in enumerate(chunks) if c.samples]
+                logits = logits[torch.tensor(rows, device=logits.device)]
+        else:
+            self.counters.eager_steps_total += 1
+            logits = self._run_eager(chunks)
+        if logits is None or not sampling:
+            return []
+        return self._sample(sampling, logits)
+
+    def _run_static(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """One token of each chunk through `self.decoder`: fp32 logits [n, vocab] for all
+        n chunks, or, when no bucket fits, the eager path's (counted as a fallback)."""
+        ps = self.plan.page_size
+        ids, positions, slots, pages, lengths = [], [], [], [], []
+        for c in chunks:
+            seq, start = c.seq, c.seq.num_computed
+            ids.append(seq.token_ids[start])
+            positions.append(start)
+            slots.append(seq.pages[start // ps] * ps + start % ps)
+            pages.append(seq.pages)
+            lengths.append(start + 1)
+        logits = self.decoder.run(ids, positions, slots, pages, lengths)
+        if logits is not None:
+            return logits
+        self.counters.eager_steps_total += 1
+        rows = self._run_eager(chunks)  # the sampling chunks' rows only
+        if rows is None or len(rows) == len(chunks):
+            return rows
+        full = rows.new_zeros((len(chunks), rows.shape[-1]))  # back to one row per chunk
+        full[torch.tensor([i for i, c in enumerate(chunks) if c.samples],
+                          device=rows.device)] = rows
+        return full
+
+    def _run_eager(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Forward the chunks with dynamic shapes; fp32 logits [N, vocab] of the N chunks
+        that sample (in chunk order), None when none does."""
         # Step metadata is built as Python ints and turned into a few tensors at the end:
         # a decode token costs list appends, not tensor operations.
         ps = self.plan.page_size
@@ -617,14 +711,27 @@ class Engine:
         batch = AttentionBatch(slot_mapping, decode, tuple(prefills))
         input_ids = torch.tensor(ids, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
+        if self.device.type != "cpu":  # built on the host: one copy each to the device
+            batch = _batch_to(batch, self.device)
+            input_ids, pos = input_ids.to(self.device), pos.to(self.device)
         if self.states is not None:
             hidden = self.model.forward(input_ids, pos, batch, self.kv, self.states)
         else:
             hidden = self.model.forward(input_ids, pos, batch, self.kv)
         if not last_rows:
-            return []
-        logits = self.model.logits(hidden[torch.tensor(last_rows)])
-        sampling = [c.seq for c in chunks if c.samples]
+            return None
+        return self.model.logits(hidden[torch.tensor(last_rows, device=hidden.device)])
+
+    def _sample(self, sampling: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """A token for each sequence of `sampling` from its row of fp32 logits [N, vocab]
+        (on any device; on a GPU, plain greedy rows are picked there and only the token
+        ids cross to the host, otherwise the logits are copied to the host once, where
+        the per-request generators live)."""
+        if logits.device.type != "cpu" and not all(
+                s.request.constraint is None and s.request.params.greedy
+                and s.request.params.logprobs is None and not s.request.params.penalized
+                and not s.request.params.logit_bias for s in sampling):
+            logits = logits.cpu()
         for row, seq in enumerate(sampling):
             constraint = seq.request.constraint
             allowed = constraint.allowed(logits.shape[-1]) if constraint is not None else None
@@ -790,3 +897,17 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
         mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
     slots = torch.tensor(state_slots, dtype=torch.int64) if state_slots is not None else None
     return DecodeGroup(b, gather.contiguous(), mask, slots, span)
+
+
+def _batch_to(batch: AttentionBatch, device: torch.device) -> AttentionBatch:
+    """`batch` with every tensor copied to `device` (the eager path builds it on the host)."""
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
+    dec = batch.decode
+    if dec is not None:
+        dec = DecodeGroup(dec.num_seqs, to(dec.gather), to(dec.mask), to(dec.state_slots),
+                          dec.span)
+    chunks = tuple(PrefillChunk(c.start, c.length, to(c.gather), to(c.mask), c.state_slot)
+                   for c in batch.prefills)
+    return AttentionBatch(to(batch.slot_mapping), dec, chunks)

@@ -546,7 +546,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
           restore_cost_factor: float = 0.5, save_state_on_shutdown: bool = False,
           max_pinned_pages: int | None = None, threads: int | None = None,
-          **settings: Any) -> None:
+          device: str = "cpu", cuda_graphs: bool = True, **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
@@ -567,6 +567,9 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         save_state_on_shutdown: at exit, write every cached state to the disk tier.
         max_pinned_pages: most KV pages named sessions may pin (None: a quarter of the pool).
         threads: torch intra-op threads (None: `serving_threads` of the package's tuning).
+        device: "cpu" or "cuda[:N]"; the package must have been prepared for its class.
+        cuda_graphs: on CUDA, capture and replay the package's graph plan (False: decode
+            eagerly, `--no-cuda-graphs`).
         **settings: `ServerSettings` fields.
 
     Raises:
@@ -583,11 +586,12 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
     from flare.prepare.tune import cost_policy_from_tuning
 
     server_settings = ServerSettings(**settings)
-    package = load_package(package_path)
+    package = load_package(package_path, device=device)
     if package.manifest.device_class == "cpu" or threads is not None:
         torch.set_num_threads(serving_threads(package.manifest.tuning, threads))
     policy = cost_policy_from_tuning(package.manifest.tuning, restore_cost_factor)
-    engine = Engine.from_package(package, prefix_cache=prefix_cache, cost_policy=policy,
+    engine = Engine.from_package(package, cuda_graphs=cuda_graphs,
+                                 prefix_cache=prefix_cache, cost_policy=policy,
                                  state_dir=state_dir, max_pinned_pages=max_pinned_pages)
     engine.save_state_on_stop = save_state_on_shutdown
 

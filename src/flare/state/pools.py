@@ -97,12 +97,22 @@ class KVCache:
     `pages` lives in slot `pages[pos // page_size] * page_size + pos % page_size`.
     `k_layers[layer]` / `v_layers[layer]` are those per-layer views, made once (a forward
     step would otherwise pay for 2 x layers view ops; `k` and `v` are never reassigned).
+
+    Padding page: with `padding_pages=1` the tensors hold one page more, index
+    `num_pages` (`padding_page`), which the page pool never hands out. The fixed-shape
+    decode step (`flare.runtime.cuda_graphs`) writes the K/V of its padding rows there and
+    points unused block-table entries at it, so padding never touches a real page.
     """
 
-    def __init__(self, layout: StateLayout, num_pages: int, device: torch.device | str) -> None:
+    def __init__(self, layout: StateLayout, num_pages: int, device: torch.device | str,
+                 padding_pages: int = 0) -> None:
+        if padding_pages not in (0, 1):
+            raise ValueError(f"padding_pages must be 0 or 1, got {padding_pages}")
         self.layout = layout
         self.page_size = layout.page_size
-        slots = num_pages * layout.page_size
+        self.num_pages = num_pages
+        self.padding_page: int | None = num_pages if padding_pages else None
+        slots = (num_pages + padding_pages) * layout.page_size
         shape = (layout.num_kv_layers, slots, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
         self.v = torch.zeros(shape, dtype=layout.dtype, device=device)

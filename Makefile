@@ -26,10 +26,12 @@ setup: $(STAMP)
 # KV pool: 1,024 pages of 16 tokens shared by all sequences (about 750 MB in fp32);
 # one sequence may still use the model's whole 8,192-token context.
 PAGES ?= 1024
+# weight format (empty: Flare's default, fp16); q4x8 decodes about twice as fast
+WEIGHTS ?=
 
 serve: setup
 	$(VENV)/bin/flare serve --embedded --cache-dir $(CACHE) --num-pages $(PAGES) \
-		--host $(HOST) --port $(PORT)
+		--host $(HOST) --port $(PORT) $(if $(WEIGHTS),--weights $(WEIGHTS))
 
 test: setup
 	$(PY) -m pytest -q

@@ -6,7 +6,7 @@ plus peak RSS. Figures, not pass/fail: compare the two columns of one run, never
 numbers from another machine.
 
     .venv/bin/python bench/bench_engine.py [--model PATH] [--decode-tokens 128]
-        [--weights fp16|full|q4] [--threads N] [--skip-transformers]
+        [--weights fp16|full|q4|q4x8] [--threads N] [--skip-transformers]
 
 Flare runs the weight format a default CPU package stores (`--weights`, see
 flare.models.quant) with the prefix cache off; transformers runs the fp32 weights.
@@ -56,7 +56,7 @@ def _run(engine: Engine, reqs: list[GenerationRequest]) -> tuple[float, dict[str
 def flare_engine(ckpt, weights: str, *, max_seq_len: int = 4096, max_num_seqs: int = 8,
                  max_batch_tokens: int = 512) -> Engine:
     """Flare's engine on the checkpoint's weights in format `weights` ("fp16", "full",
-    "q4"), prefix cache off (every prompt is computed in full)."""
+    "q4", "q4x8"), prefix cache off (every prompt is computed in full)."""
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      max_batch_tokens=max_batch_tokens)
     return Engine(ckpt.config, plan, convert_tensors(ckpt.tensors, weights), ckpt.tokenizer,
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--weights", choices=["fp16", "full", "q4"], default="fp16",
+    ap.add_argument("--weights", choices=["fp16", "full", "q4", "q4x8"], default="fp16",
                     help="flare's weight format (default fp16, the CPU package default)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()

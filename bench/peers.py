@@ -16,7 +16,7 @@ Nothing is installed here. llama.cpp's Python binding: `pip install llama-cpp-py
 Every column runs with the same thread count. Figures drift between runs on a shared
 machine: compare the columns of one run.
 
-    .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full,q4]
+    .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full,q4,q4x8]
         [--quick] [--skip-transformers] [--skip-llama-cpp]
 """
 
@@ -103,10 +103,10 @@ def prefill_flops_per_token(cfg, n: int) -> float:
 
 def flare_bytes_per_param(cfg, fmt: str) -> float:
     """Weight bytes per linear parameter a decode step of Flare reads in format `fmt`:
-    4 (full), 2 (fp16), and for q4 24 bytes per block of 32 in the layers (16 of codes,
-    float32 scale and min) and 36 per block in the output layer (32 int8 codes and a
-    float32 scale), averaged over the parameters."""
-    if fmt != "q4":
+    4 (full), 2 (fp16), and for q4 and q4x8 24 bytes per block of 32 in the layers (16 of
+    codes, float32 scale and min) and 36 per block in the output layer (32 int8 codes and
+    a float32 scale), averaged over the parameters."""
+    if fmt not in ("q4", "q4x8"):
         return 2.0 if fmt == "fp16" else 4.0
     layers, out = linear_params(cfg)
     return (layers * 24 / 32 + out * 36 / 32) / (layers + out)
@@ -150,8 +150,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                     help="threads for every column (default: the cores this process may use)")
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--weights", default="fp16,full,q4",
-                    help="Flare weight formats, comma-separated (default fp16,full,q4)")
+    ap.add_argument("--weights", default="fp16,full,q4,q4x8",
+                    help="Flare weight formats, comma-separated (default fp16,full,q4,q4x8)")
     ap.add_argument("--quick", action="store_true",
                     help="skip the 2,048-token prefill and decode 24 tokens")
     ap.add_argument("--skip-transformers", action="store_true")

@@ -6,7 +6,7 @@
                                    --weights full|fp16|q4|q4x8 --device cpu|cuda[:N]]
     flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json
                      --device cpu|cuda[:N] --no-cuda-graphs]
-    flare serve --embedded [--cache-dir DIR] [plan options] [--host --port]
+    flare serve --embedded [--cache-dir DIR] [plan options, --weights] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
     flare evidence verify PACKET [--metric M] [--max-ms X] [--out RECEIPT]
 
@@ -50,6 +50,13 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-tier-mib", type=non_negative_int, default=None,
                    help="disk for states pushed out of the host tier, MiB (default 8192; "
                         "0 = none; the folder is serve's --state-dir)")
+    g.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8"], default=None,
+                   help="weight format of the linear layers: full (serving dtype), fp16 "
+                        "(float16 weights, fbgemm GEMM; CPU, float32, Llama family), q4 "
+                        "(4-bit blocks, Flare's AVX2 kernel; same, on x86-64 with AVX2/FMA "
+                        "and a C++ compiler) or q4x8 (q4 blocks with int8 activations, "
+                        "llama.cpp's Q4_1 x Q8_1 arithmetic: the fastest decode). Default: "
+                        "fp16 where it applies, else full")
     g.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: the device the package is prepared for / served "
                         "on (default cpu)")
@@ -77,13 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
     prep.add_argument("--out", required=True, type=Path, help="package folder to write")
     prep.add_argument("--name", default=None, help="model name (default: from the file)")
-    prep.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8"], default=None,
-                      help="weight format of the linear layers: full (serving dtype), fp16 "
-                           "(float16 weights, fbgemm GEMM; CPU, float32, Llama family), "
-                           "q4 (4-bit blocks, Flare's AVX2 kernel; same, on x86-64 with "
-                           "AVX2/FMA and a C++ compiler) or q4x8 (q4 blocks with int8 "
-                           "activations, llama.cpp's Q4_1 x Q8_1 arithmetic: the fastest). "
-                           "Default: fp16 where it applies, else full")
     _add_plan_options(prep)
     ck = prep.add_argument_group("checkpoints (hybrid recipes: Qwen3.5, LFM2)")
     ck.add_argument("--checkpoint-interval", type=non_negative_int, default=None,
@@ -201,7 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         cache_dir = args.cache_dir or default_cache_dir()
         package = ensure_package(embedded_model_path(), cache_dir, dtype=args.dtype,
-                                 device=args.device, progress=True, **_plan_kwargs(args))
+                                 device=args.device, weights=args.weights, progress=True,
+                                 **_plan_kwargs(args))
         state_dir = args.state_dir or cache_dir / "state"
     else:
         package = args.package  # serve's load_package checks the contract (a one-line error)

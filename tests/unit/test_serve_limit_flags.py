@@ -55,3 +55,27 @@ def test_serving_threads_follow_the_package_but_never_exceed_the_cores():
     assert serving_threads({"torch_num_threads": cores + 64}) == cores  # prepared elsewhere
     assert serving_threads({}) == cores
     assert serving_threads({"torch_num_threads": 1}, requested=3) == 3  # the user decides
+
+
+def test_serve_embedded_passes_the_weight_format_to_its_package(monkeypatch, tmp_path):
+    import flare.prepare.package as package
+    from flare.cli import cmd_serve
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_ensure_package(model_path, cache_dir, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(package, "ensure_package", fake_ensure_package)
+    for argv, want in ((["--weights", "q4x8"], "q4x8"), ([], None)):
+        args = build_parser().parse_args(["serve", "--embedded", "--cache-dir", str(tmp_path),
+                                          *argv])
+        with pytest.raises(Stop):
+            cmd_serve(args)
+        assert seen["weights"] == want
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--embedded", "--weights", "q3"])

@@ -112,6 +112,13 @@ struct QuantizedRows {
   }
 };
 
+// x's 4 codes at p in all 8 dword lanes (one vpbroadcastd from memory)
+inline __m256i broadcast_dword(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // R rows of quantized x against one q4 group: acc[r] (8 lanes, one per weight row).
 template <int R>
 inline void q4_group(const uint8_t* pc, const float* ps, const float* pm, const int8_t* xq,
@@ -131,13 +138,12 @@ inline void q4_group(const uint8_t* pc, const float* ps, const float* pm, const 
     const __m256 d8 = _mm256_loadu_ps(ps + kb * 8);
     const __m256 m8 = _mm256_loadu_ps(pm + kb * 8);
     for (int r = 0; r < R; ++r) {
-      int32_t xw[8];
-      std::memcpy(xw, xq + r * K + kb * QK, 32);
+      const int8_t* xb = xq + r * K + kb * QK;
       // each int16 pair sum is at most 2 * 15 * 127 = 3810 in magnitude: 8 of them add
       // up without overflow
-      __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xw[0]));
+      __m256i s16 = _mm256_maddubs_epi16(w[0], broadcast_dword(xb));
       for (int s = 1; s < 8; ++s)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(xw[s])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], broadcast_dword(xb + 4 * s)));
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
       acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
@@ -161,13 +167,12 @@ inline void q8_group(const int8_t* pc, const float* ps, const int8_t* xq, const 
     }
     const __m256 d8 = _mm256_loadu_ps(ps + kb * 8);
     for (int r = 0; r < R; ++r) {
-      int32_t xw[8];
-      std::memcpy(xw, xq + r * K + kb * QK, 32);
+      const int8_t* xb = xq + r * K + kb * QK;
       // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127, so each goes to
       // int32 before the next is added
       __m256i s32 = _mm256_setzero_si256();
       for (int ch = 0; ch < 8; ++ch) {
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xw[ch]), raw[ch]);
+        const __m256i xs = _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch]);
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs), ones));
       }
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),

@@ -7,9 +7,9 @@ dense decoder's small per-layer steps: RMSNorm, residual add + RMSNorm, RoPE + K
 SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
 `fused_ops()` returns the same module for those ops, or None where it cannot be had or
 $FLARE_FUSED_OPS=0 asks for the torch path. It is compiled once with
-`torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -ffp-contract=off; the kernels use
-`at::parallel_for`, so they run on torch's own intra-op thread pool, no second OpenMP
-runtime) into
+`torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -ffp-contract=off -fopenmp; the kernels
+use `at::parallel_for`, so they run on torch's own OpenMP thread pool: the module's
+libgomp.so.1 is the copy torch loaded, no second runtime) into
 
     <cache>/kernels/flare_qgemm_<key>/
 
@@ -43,7 +43,12 @@ from flare.cache_dir import default_cache_dir
 SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # included by the sources
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp
+# parallel`; compiled without OpenMP it runs every call on one thread. The module then
+# needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
+# so the kernels share torch's thread pool and its torch.set_num_threads setting.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +96,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    h.update("\0".join(CFLAGS + [torch.__version__, sys.version.split()[0],
+    h.update("\0".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version.split()[0],
                                  platform.machine()]).encode())
     return h.hexdigest()[:16]
 
@@ -129,7 +134,8 @@ def _build(name: str, final: Path) -> ModuleType:
     tmp.mkdir()
     try:
         module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                                    extra_cflags=CFLAGS, build_directory=str(tmp),
+                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                                    build_directory=str(tmp),
                                     verbose=False)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -237,6 +237,13 @@ def test_ensure_package_reuses_then_rebuilds(tiny_qwen3_dir, tmp_path):
     ensure_package(tiny_qwen3_dir, cache, max_seq_len=128, progress=False)
     assert check_package(first).plan["max_seq_len"] == 128
 
+    # an explicit weight format is a package of its own, beside the default one
+    full = ensure_package(tiny_qwen3_dir, cache, max_seq_len=128, weights="full",
+                          progress=False)
+    assert full == first.parent / (first.name + "-full")
+    assert check_package(full).tuning["weights"] == "full"
+    assert check_package(first).tuning["weights"] == "fp16"  # untouched
+
 
 # ---- the command line ---------------------------------------------------------------------
 

@@ -505,7 +505,9 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
                    weights: str | None = None, **plan_kwargs: Any) -> Path:
     """A checked package for `model_path` under `cache_dir`, reused when valid.
 
-    The package lives at `cache_dir/<model name>-<dtype>`. It is reused when
+    The package lives at `cache_dir/<model name>-<dtype>`, with `-<weights>` appended
+    when a weight format is asked for (so packages of two formats do not replace each
+    other). It is reused when
     `reuse_problem` finds nothing wrong (contract, payload hashes, same source files,
     dtype, plan); otherwise it is rebuilt with `prepare_package` (the reason is shown
     when `progress`).
@@ -523,7 +525,7 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     model_path = Path(model_path)
     checkpoint_format(model_path)
     name = model_name or default_model_name(model_path)
-    out = Path(cache_dir) / f"{name}-{dtype}"
+    out = Path(cache_dir) / (f"{name}-{dtype}" + (f"-{weights}" if weights else ""))
     if (out / MANIFEST_NAME).is_file():
         problem = reuse_problem(out, model_path, dtype=dtype, device=device, weights=weights,
                                 **plan_kwargs)

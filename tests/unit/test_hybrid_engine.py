@@ -98,7 +98,8 @@ def test_package_records_recipe_layout_and_state_pool(tiny):
     assert m.memory["total_bytes"] == (m.memory["weights_bytes"] + m.memory["kv_pool_bytes"]
                                        + m.memory["state_pool_bytes"]
                                        + m.memory["workspace_bytes"]
-                                       + m.memory["host_tier_bytes"])  # CPU: host = device
+                                       + m.memory["host_tier_bytes"]  # CPU: host = device
+                                       + m.memory["runtime_bytes"])
     engine = Engine.from_package(tiny.package)
     assert engine.states.num_slots == slots
     assert engine.states.nbytes == m.memory["state_pool_bytes"]

@@ -55,6 +55,11 @@ def test_check_passes(tiny_qwen3_package):
     assert m.config["model_type"] == "qwen3"
     assert m.plan["max_seq_len"] == 256 and m.plan["num_pages"] == 4 * 16
     assert m.memory["total_bytes"] <= m.memory["device_bytes"]
+    # on CPU the serving process's own base is in the total (Python + torch: > 100 MiB)
+    assert m.memory["runtime_bytes"] > 100 << 20
+    assert m.memory["total_bytes"] == sum(m.memory[k] for k in (
+        "weights_bytes", "kv_pool_bytes", "state_pool_bytes", "workspace_bytes",
+        "host_tier_bytes", "runtime_bytes"))
     assert m.graph_capture["enabled"] is False and m.graph_capture["reason"]
     assert m.tuning["torch_num_threads"] >= 1
     assert {"model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(m.payload)

@@ -439,12 +439,14 @@ def check_capacity(p: Packet) -> CheckResult:
         # hybrid packages also hold a pool of conv/recurrent state slots (0 for KV-only)
         parts = (mem["weights_bytes"] + mem["kv_pool_bytes"] + mem["workspace_bytes"]
                  + mem.get("state_pool_bytes", 0))
-        # the host tier of endpoint states is in the total when the device is the host (CPU)
-        host = mem.get("host_tier_bytes", 0)
+        # the host tier of endpoint states and the serving runtime's own base are in the
+        # total when the device is the host (CPU); older reports have no runtime figure
+        host = mem.get("host_tier_bytes", 0) + mem.get("runtime_bytes", 0)
         if mem["total_bytes"] not in (parts, parts + host):
             fails.append(f"memory report total {mem['total_bytes']} != weights + KV pool + "
                          f"state pool + workspace = {parts}"
-                         + (f" (+ host tier {host} = {parts + host})" if host else ""))
+                         + (f" (+ host tier and runtime {host} = {parts + host})"
+                            if host else ""))
         if mem["total_bytes"] > mem["device_bytes"]:
             fails.append(f"memory report total {mem['total_bytes']} exceeds the device's "
                          f"{mem['device_bytes']} bytes")

@@ -59,6 +59,7 @@ from flare.models.recipe import RECIPE_VERSIONS, StateLayout, is_hybrid_recipe, 
 from flare.prepare.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
                                 CapacityPlan, dtype_from_name, dtype_name, layout_for,
                                 make_plan, memory_report)
+from flare.prepare.runtime_base import runtime_base_bytes
 from flare.runtime.cuda_graphs import graph_memory_bytes, plan_buckets
 
 WEIGHTS_NAME = "model.safetensors"
@@ -272,7 +273,8 @@ def write_package(
                                 attention.get("decode_attention", {}).get("choice", "sdpa"))
     report = memory_report(ckpt.config, plan, weights_bytes, device_total_bytes(device),
                            host_is_device=device_class == "cpu",
-                           graph_bytes=_graph_bytes(capture, layout, ckpt.config.vocab_size))
+                           graph_bytes=_graph_bytes(capture, layout, ckpt.config.vocab_size),
+                           runtime_bytes=runtime_base_bytes())
 
     stored_bytes = sum(t.numel() * t.element_size() for t in stored.values())
     _stage(f"writing {stored_bytes / 2**20:,.0f} MiB of weights (format {fmt}) to {out_dir}",

@@ -109,8 +109,10 @@ class MemoryReport:
     hidden/MLP activations); `device_bytes` is total device memory (host RAM on CPU).
     `state_pool_bytes` = `state_slots` (live + checkpoint) x `state_bytes_per_slot`, the
     conv/recurrent state pool of a hybrid recipe (0 for KV-only); `host_tier_bytes` and
-    `disk_tier_bytes` are the tiers' budgets; `total_bytes` = weights + KV pool + state pool
-    + workspace, plus the host tier when the device is the host (CPU).
+    `disk_tier_bytes` are the tiers' budgets; `runtime_bytes` is the resident memory of
+    the serving process before it loads a package (Python, torch, Flare's modules;
+    `flare.prepare.runtime_base`); `total_bytes` = weights + KV pool + state pool +
+    workspace, plus the host tier and the runtime when the device is the host (CPU).
     `graph_workspace_bytes` is the part of `workspace_bytes` that CUDA graph capture adds
     (the KV cache's padding page, the largest graph's gathered K/V, the graphs' static
     inputs and logits; `flare.runtime.cuda_graphs.graph_memory_bytes`); 0 without graphs.
@@ -127,6 +129,7 @@ class MemoryReport:
     host_tier_bytes: int = 0
     disk_tier_bytes: int = 0
     graph_workspace_bytes: int = 0
+    runtime_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,10 +217,12 @@ def layout_for(config: ModelConfig, plan: CapacityPlan) -> StateLayout:
 
 def memory_report(
     config: ModelConfig, plan: CapacityPlan, weights_bytes: int, device_bytes: int,
-    host_is_device: bool = True, graph_bytes: int = 0,
+    host_is_device: bool = True, graph_bytes: int = 0, runtime_bytes: int = 0,
 ) -> MemoryReport:
     """Bytes for weights, KV pool, state pool and one step's workspace (plus
-    `graph_bytes` of CUDA graph capture, counted in the workspace).
+    `graph_bytes` of CUDA graph capture, counted in the workspace); on CPU
+    (`host_is_device`) also the host tier and `runtime_bytes`, the serving process's own
+    base (`flare.prepare.runtime_base.runtime_base_bytes`).
 
     Raises:
         ValueError: the total exceeds `device_bytes`, naming every figure.
@@ -232,17 +237,19 @@ def memory_report(
     slots = plan.num_state_slots if layout.is_hybrid else 0
     state = per_slot * slots
     host = plan.host_tier_bytes if host_is_device else 0
-    total = weights_bytes + kv + state + workspace + host
+    runtime = runtime_bytes if host_is_device else 0
+    total = weights_bytes + kv + state + workspace + host + runtime
     report = MemoryReport(weights_bytes, kv, workspace, total, device_bytes,
                           state_pool_bytes=state, state_bytes_per_slot=per_slot,
                           state_slots=slots, host_tier_bytes=plan.host_tier_bytes,
                           disk_tier_bytes=plan.disk_tier_bytes,
-                          graph_workspace_bytes=graph_bytes)
+                          graph_workspace_bytes=graph_bytes, runtime_bytes=runtime_bytes)
     if total > device_bytes:
         raise ValueError(
             f"plan does not fit: weights {weights_bytes:,} + KV pool {kv:,} "
             f"({plan.num_pages} pages x {layout.bytes_per_page:,} B) + state pool {state:,} "
             f"({slots} slots x {per_slot:,} B) + workspace {workspace:,} "
-            f"+ host tier {host:,} = {total:,} bytes > device {device_bytes:,} bytes"
+            f"+ host tier {host:,} + runtime {runtime:,} = {total:,} bytes > device "
+            f"{device_bytes:,} bytes"
         )
     return report

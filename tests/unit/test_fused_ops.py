@@ -284,3 +284,32 @@ def test_model_falls_back_to_torch_without_the_kernel(monkeypatch):
     monkeypatch.setattr(flare.kernels, "qgemm", unavailable)
     c = tiny_config("llama")
     assert LlamaModel(c, tiny_tensors(c), 64).fused_ops is None
+
+
+@needs_ops
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3)])
+def test_decode_attention_gather_equals_masked_sdpa(heads):
+    """B sequences of different lengths on scattered cache slots: each row equals SDPA over
+    its own gathered keys (what the torch path computes with the padding mask)."""
+    h, kvh = heads
+    d, s = 64, 96
+    torch.manual_seed(h)
+    kc, vc = torch.randn(s, kvh, d), torch.randn(s, kvh, d)
+    lengths = torch.tensor([5, 17, 1, 40])
+    m = int(lengths.max())
+    gather = torch.stack([torch.randperm(s)[:m] for _ in lengths])  # scattered slots
+    q = torch.randn(len(lengths), h, d)
+    o = OPS.decode_attention_gather(q, kc, vc, gather, lengths, 1 / math.sqrt(d))
+    for b, n in enumerate(lengths.tolist()):
+        k = kc[gather[b, :n]].transpose(0, 1)  # [KVH, n, D]
+        v = vc[gather[b, :n]].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(
+            q[b].unsqueeze(1), k.repeat_interleave(h // kvh, 0),
+            v.repeat_interleave(h // kvh, 0)).squeeze(1)
+        torch.testing.assert_close(o[b], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        bad = gather.clone()
+        bad[1, 3] = s
+        OPS.decode_attention_gather(q, kc, vc, bad, lengths, 0.125)
+    with pytest.raises(RuntimeError, match="lengths"):
+        OPS.decode_attention_gather(q, kc, vc, gather, torch.tensor([5, 17, 0, 40]), 0.125)

@@ -50,6 +50,8 @@ class DecodeGroup:
             in consecutive slots (its pages are consecutive); attention then reads K/V as
             a view of the cache, without gathering them (same values, bit for bit).
             None otherwise.
+        lengths: int64 [B], each sequence's context length (its row of `mask`'s True
+            count), or None (then the fused decode attention is not used for B > 1).
     """
 
     num_seqs: int
@@ -57,6 +59,7 @@ class DecodeGroup:
     mask: torch.Tensor | None
     state_slots: torch.Tensor | None = None
     span: int | None = None
+    lengths: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,11 @@ def paged_attention(
         batch: token layout and gather indices.
         scale: softmax scale (1/sqrt(D) for these recipes).
         ops: Flare's fused-op kernel module (`flare.kernels.fused_ops`), or None. When
-            given and the decode group is one unmasked sequence in consecutive slots
-            (`DecodeGroup.span`) with float32 q and cache, its attention runs as the
-            module's `decode_attention` (plain fp32 softmax(q K^T * scale) V) instead of
-            SDPA; everything else runs SDPA as without it.
+            given, with float32 q and cache, the decode group runs in the module (plain
+            fp32 softmax(q K^T * scale) V, reading K/V rows in place, no gather copy):
+            one unmasked sequence in consecutive slots (`DecodeGroup.span`) as
+            `decode_attention`, any group with `lengths` as `decode_attention_gather`.
+            Everything else runs SDPA as without it.
 
     Returns:
         [T, H, D] attention output, same dtype as `q`, possibly not contiguous. H must be
@@ -103,10 +107,14 @@ def paged_attention(
         b = dec.num_seqs
         m = dec.gather.shape[-1]
         kvh, d = k_cache.shape[1], q.shape[-1]
-        if (ops is not None and dec.span is not None and dec.mask is None and b == 1
-                and q.dtype == torch.float32 and k_cache.dtype == torch.float32):
+        fused = (ops is not None and q.dtype == torch.float32
+                 and k_cache.dtype == torch.float32)
+        if fused and dec.span is not None and dec.mask is None and b == 1:
             o = ops.decode_attention(q[0].contiguous(), k_cache, v_cache, dec.span, m,
                                      scale).unsqueeze(0)  # [1, H, D]
+        elif fused and dec.lengths is not None:
+            o = ops.decode_attention_gather(q[:b].contiguous(), k_cache, v_cache,
+                                            dec.gather, dec.lengths, scale)  # [B, H, D]
         else:
             if dec.span is not None:  # one sequence in consecutive slots: a view, no copy
                 a = dec.span

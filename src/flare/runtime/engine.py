@@ -879,8 +879,8 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
         A `DecodeGroup` whose gather is int64 [B, M] (contiguous), M = max(lengths): the
         cache slots of positions 0..M-1; rows of shorter sequences point at slots of page 0
         past their length, and `mask` ([B, 1, 1, M], True = attend) hides them (None when
-        every length is M). For one sequence on consecutive pages, `span` is its first
-        slot (attention reads K/V without a gather).
+        every length is M); `lengths` is int64 [B]. For one sequence on consecutive
+        pages, `span` is its first slot (attention reads K/V without a gather).
     """
     b, m = len(lengths), max(lengths)
     n = -(-m // page_size)  # pages of the longest sequence
@@ -892,11 +892,11 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
     offsets = torch.arange(page_size, dtype=torch.int64)
     gather = (table[:, :, None] * page_size + offsets).view(b, n * page_size)[:, :m]
     mask = None
+    lens = torch.tensor(lengths, dtype=torch.int64)
     if min(lengths) != m:
-        lens = torch.tensor(lengths, dtype=torch.int64)
         mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
     slots = torch.tensor(state_slots, dtype=torch.int64) if state_slots is not None else None
-    return DecodeGroup(b, gather.contiguous(), mask, slots, span)
+    return DecodeGroup(b, gather.contiguous(), mask, slots, span, lens)
 
 
 def _batch_to(batch: AttentionBatch, device: torch.device) -> AttentionBatch:
@@ -907,7 +907,7 @@ def _batch_to(batch: AttentionBatch, device: torch.device) -> AttentionBatch:
     dec = batch.decode
     if dec is not None:
         dec = DecodeGroup(dec.num_seqs, to(dec.gather), to(dec.mask), to(dec.state_slots),
-                          dec.span)
+                          dec.span, to(dec.lengths))
     chunks = tuple(PrefillChunk(c.start, c.length, to(c.gather), to(c.mask), c.state_slot)
                    for c in batch.prefills)
     return AttentionBatch(to(batch.slot_mapping), dec, chunks)

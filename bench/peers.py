@@ -103,13 +103,14 @@ def prefill_flops_per_token(cfg, n: int) -> float:
 
 def flare_bytes_per_param(cfg, fmt: str) -> float:
     """Weight bytes per linear parameter a decode step of Flare reads in format `fmt`:
-    4 (full), 2 (fp16), and for q4 and q4x8 24 bytes per block of 32 in the layers (16 of
-    codes, float32 scale and min) and 36 per block in the output layer (32 int8 codes and
-    a float32 scale), averaged over the parameters."""
+    4 (full), 2 (fp16); per block of 32, for q4 24 bytes in the layers (16 of codes,
+    float32 scale and min) and 36 in the output layer (32 int8 codes, a float32 scale),
+    for q4x8 20 and 34 (float16 scales, as the GGUF); averaged over the parameters."""
     if fmt not in ("q4", "q4x8"):
         return 2.0 if fmt == "fp16" else 4.0
+    layer_block, out_block = (24, 36) if fmt == "q4" else (20, 34)
     layers, out = linear_params(cfg)
-    return (layers * 24 / 32 + out * 36 / 32) / (layers + out)
+    return (layers * layer_block / 32 + out * out_block / 32) / (layers + out)
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------

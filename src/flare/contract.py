@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 #    (weight format `fp16`, tuning["weights"]), run by fbgemm's fp16 GEMM.
 # 3: weight format `q4`: 4-bit / 8-bit block parts under suffixed tensor names, run by
 #    Flare's own kernel (flare.kernels); an older runtime would miss those tensors.
-# 4: weight format `q4x8`: q4/q8 blocks in an 8-row interleaved layout under their own
-#    suffixes, run with int8 activations (flare.kernels qdot8.cpp).
+# 4: weight format `q4x8`: q4/q8 blocks in an 8-row interleaved layout with float16
+#    scales under their own suffixes, run with int8 activations (flare.kernels qdot8.cpp).
 EXECUTION_ABI: int = 4
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool

@@ -198,15 +198,21 @@ def test_interleaved_layout_round_trips_and_fuses():
     qa, qb = quantize_q4(a), quantize_q4(b)
     pa = Q4x8Weight.pack(qa)
     assert not torch.equal(pa.codes, qa.codes)  # moved, same shape
-    assert pa.codes.shape == qa.codes.shape and pa.nbytes == qa.nbytes
-    assert all(torch.equal(u, v) for u, v in zip(pa.unpack().parts(), qa.parts()))
+    assert pa.codes.shape == qa.codes.shape and pa.scales.dtype == torch.float16
+    assert pa.nbytes == qa.codes.nbytes + qa.scales.nbytes // 2 + qa.mins.nbytes // 2
+    back = pa.unpack()  # the codes as they were, the scales and mins rounded to float16
+    assert torch.equal(back.codes, qa.codes)
+    assert torch.equal(back.scales, qa.scales.half().float())
+    assert torch.equal(back.mins, qa.mins.half().float())
     fused = cat_weights([pa, Q4x8Weight.pack(qb)])
-    assert torch.equal(fused.dequantize(), cat_weights([qa, qb]).dequantize())
+    assert torch.equal(fused.dequantize(), torch.cat([pa.dequantize(),
+                                                      Q4x8Weight.pack(qb).dequantize()]))
     q8 = quantize_q8(b)
     p8 = Q8x8Weight.pack(q8)
+    q8_half = Q8Weight(q8.codes, q8.scales.half().float())
     ids = torch.tensor([0, 7, 8, 23, 5])
-    assert torch.equal(p8[ids], q8[ids])  # the embedding lookup reads the packed rows
-    assert torch.equal(p8.dequantize(), q8.dequantize())
+    assert torch.equal(p8[ids], q8_half[ids])  # the embedding lookup reads the packed rows
+    assert torch.equal(p8.dequantize(), q8_half.dequantize())
     with pytest.raises(ValueError, match="'x.odd.weight' has 12 output rows"):
         convert_tensors({"x.odd.weight": torch.randn(12, 64)}, "q4x8")
 
@@ -282,7 +288,7 @@ def test_cpu_problem_reads_the_flags(monkeypatch, tmp_path):
 
     monkeypatch.setattr(K, "Path", lambda p: fake if p == "/proc/cpuinfo" else real(p))
     monkeypatch.setattr(K.platform, "machine", lambda: "x86_64")
-    assert K.cpu_problem() == "the CPU lacks avx2 (from /proc/cpuinfo)"
+    assert K.cpu_problem() == "the CPU lacks avx2 and f16c (from /proc/cpuinfo)"
     monkeypatch.setattr(K.platform, "machine", lambda: "aarch64")
     assert "x86-64" in K.cpu_problem()
 

@@ -7,9 +7,9 @@ dense decoder's small per-layer steps: RMSNorm, residual add + RMSNorm, RoPE + K
 SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
 `fused_ops()` returns the same module for those ops, or None where it cannot be had or
 $FLARE_FUSED_OPS=0 asks for the torch path. It is compiled once with
-`torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -ffp-contract=off -fopenmp; the kernels
-use `at::parallel_for`, so they run on torch's own OpenMP thread pool: the module's
-libgomp.so.1 is the copy torch loaded, no second runtime) into
+`torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp;
+the kernels use `at::parallel_for`, so they run on torch's own OpenMP thread pool: the
+module's libgomp.so.1 is the copy torch loaded, no second runtime) into
 
     <cache>/kernels/flare_qgemm_<key>/
 
@@ -47,7 +47,7 @@ HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # includ
 # parallel`; compiled without OpenMP it runs every call on one thread. The module then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
 # so the kernels share torch's thread pool and its torch.set_num_threads setting.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def cpu_problem() -> str | None:
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
             break
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     if missing:
         return f"the CPU lacks {' and '.join(missing)} (from /proc/cpuinfo)"
     return None

@@ -22,7 +22,8 @@
 //       row's block bytes 4c..4c+3 (elements 4c..4c+3 in the low nibbles, 16+4c..19+4c
 //       in the high ones) at bytes 4i..4i+3;
 //   q8: 256 bytes in 8 chunks of 32; chunk c holds row i's codes 4c..4c+3 at 4i..4i+3;
-// and the group's scales (and mins) are [nb, 8] (block, row). So one 32-byte load feeds
+// and the group's scales (and mins) are float16 [nb, 8] (block, row), as a GGUF stores
+// them (F16C widens 8 in one instruction). So one 32-byte load feeds
 // 8 output rows, a lane each, and x's 4 codes for that chunk are one broadcast dword:
 // per row of x and group block, 8 multiply-adds (u8 x s8 to int16 pairs), their sum, one
 // pair-add to int32, a convert and two FMAs give 8 outputs' block terms at once.
@@ -41,7 +42,6 @@
 namespace {
 
 using flare_qrows::QK;
-using flare_qrows::check_common;
 
 // q [B, K] int8, d [B, K/32], s [B, K/32] (when not null: d * sum(q) of each block, the
 // block sum of the dequantized x, which q4's min term multiplies).
@@ -120,8 +120,13 @@ inline __m256i broadcast_dword(const int8_t* p) {
 }
 
 // R rows of quantized x against one q4 group: acc[r] (8 lanes, one per weight row).
+// 8 float16 values at p, widened to float32
+inline __m256 load_half8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 template <int R>
-inline void q4_group(const uint8_t* pc, const float* ps, const float* pm, const int8_t* xq,
+inline void q4_group(const uint8_t* pc, const at::Half* ps, const at::Half* pm, const int8_t* xq,
                      const float* xd, const float* xs, int64_t K, __m256* acc) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -135,8 +140,8 @@ inline void q4_group(const uint8_t* pc, const float* ps, const float* pm, const 
       w[ch] = _mm256_and_si256(raw, low);
       w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
-    const __m256 d8 = _mm256_loadu_ps(ps + kb * 8);
-    const __m256 m8 = _mm256_loadu_ps(pm + kb * 8);
+    const __m256 d8 = load_half8(ps + kb * 8);
+    const __m256 m8 = load_half8(pm + kb * 8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
       // each int16 pair sum is at most 2 * 15 * 127 = 3810 in magnitude: 8 of them add
@@ -153,7 +158,7 @@ inline void q4_group(const uint8_t* pc, const float* ps, const float* pm, const 
 
 // R rows of quantized x against one q8 group (signed codes).
 template <int R>
-inline void q8_group(const int8_t* pc, const float* ps, const int8_t* xq, const float* xd,
+inline void q8_group(const int8_t* pc, const at::Half* ps, const int8_t* xq, const float* xd,
                      int64_t K, __m256* acc) {
   const int64_t nb = K / QK;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -165,7 +170,7 @@ inline void q8_group(const int8_t* pc, const float* ps, const int8_t* xq, const 
       raw[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
       mag[ch] = _mm256_sign_epi8(raw[ch], raw[ch]);  // |c|; codes are never -128
     }
-    const __m256 d8 = _mm256_loadu_ps(ps + kb * 8);
+    const __m256 d8 = load_half8(ps + kb * 8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
       // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127, so each goes to
@@ -211,7 +216,15 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
 
 void check_packed(const torch::Tensor& x, const torch::Tensor& codes,
                   const torch::Tensor& scales, int64_t K) {
-  check_common(x, codes, scales, K);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [B, K] tensor");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
+              "codes and scales must be contiguous");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.dim() == 2 &&
+                  scales.size(0) == codes.size(0) && scales.size(1) == K / QK,
+              "packed scales must be float16 [N, K/32]");
   TORCH_CHECK(codes.size(0) % 8 == 0, "packed weights have a multiple of 8 rows, got ",
               codes.size(0));
 }
@@ -222,15 +235,15 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
               "q4 codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_packed(x, codes, scales, K);
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kFloat32 &&
-                  mins.is_contiguous(), "mins must be float32 like scales");
+  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kHalf &&
+                  mins.is_contiguous(), "mins must be float16 like scales");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* sc = scales.data_ptr<float>();
-  const float* mn = mins.data_ptr<float>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  const at::Half* mn = mins.data_ptr<at::Half>();
   for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
     FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, sc + g * nb * 8, mn + g * nb * 8,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
@@ -250,7 +263,7 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, false);
   const int8_t* c = codes.data_ptr<int8_t>();
-  const float* sc = scales.data_ptr<float>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
   for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
     FLARE_DISPATCH_GTILE(rows, (q8_group<R>(c + g * nb * 256, sc + g * nb * 8,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,

@@ -13,21 +13,24 @@ Each figure is followed by its fraction of the machine's limit:
 
 Nothing is installed here. llama.cpp's Python binding: `pip install llama-cpp-python`
 (a source build, about 11 minutes on 2 cores); transformers is a dependency of Flare.
-Every column runs with the same thread count. Figures drift between runs on a shared
-machine: compare the columns of one run.
+Every column runs with the same thread count. Figures drift on a shared machine, so
+`--repeat` rounds run every measurement of every column in turn and the table shows the
+medians: compare the columns of one run.
 
     .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full,q4,q4x8]
-        [--quick] [--skip-transformers] [--skip-llama-cpp]
+        [--repeat 3] [--quick] [--skip-transformers] [--skip-llama-cpp]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -115,33 +118,37 @@ def flare_bytes_per_param(cfg, fmt: str) -> float:
 
 # ---- llama.cpp ------------------------------------------------------------------------------
 
-def llama_cpp_figures(gguf: Path, ids_of, threads: int, decode_tokens: int,
-                      lengths: tuple[int, ...]) -> dict[str, float | None] | str:
-    """llama.cpp's figures through llama-cpp-python, or why there are none. Prefill is one
-    `eval` of the prompt (batches of 512); decode evaluates one token per step (a fixed
-    id: the sampler is not timed). The binding runs one sequence: no batch-8 figure."""
+def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
+                       lengths: tuple[int, ...]) -> dict[str, Callable[[], float]] | str:
+    """llama.cpp's measurements through llama-cpp-python (row -> a call returning the
+    figure), or why there are none. Prefill is one `eval` of the prompt (batches of
+    512); decode evaluates one token per step (a fixed id: the sampler is not timed). The
+    binding runs one sequence: no batch-8 figure."""
     try:
         from llama_cpp import Llama
     except ImportError:
         return "not installed (pip install llama-cpp-python; a source build, ~11 min)"
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_batch=512, n_threads=threads,
                 n_threads_batch=threads, verbose=False)
-    out: dict[str, float | None] = {"decode_b8": None}
     llm.reset()
     llm.eval(ids_of(16))  # warm-up
-    for n in lengths:
+
+    def prefill(n: int) -> float:
         llm.reset()
         t = time.perf_counter()
         llm.eval(ids_of(n))
-        out[f"prefill_{n}"] = n / (time.perf_counter() - t)
-    llm.reset()
-    llm.eval(ids_of(SHORT_PROMPT))
-    t = time.perf_counter()
-    for _ in range(decode_tokens):
-        llm.eval([42])
-    out["decode_b1"] = decode_tokens / (time.perf_counter() - t)
-    del llm
-    return out
+        return n / (time.perf_counter() - t)
+
+    def decode() -> float:
+        llm.reset()
+        llm.eval(ids_of(SHORT_PROMPT))
+        t = time.perf_counter()
+        for _ in range(decode_tokens):
+            llm.eval([42])
+        return decode_tokens / (time.perf_counter() - t)
+
+    return {"decode_b1": decode, **{f"prefill_{n}": functools.partial(prefill, n)
+                                    for n in lengths}}
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -155,6 +162,8 @@ def main() -> None:
                     help="Flare weight formats, comma-separated (default fp16,full,q4,q4x8)")
     ap.add_argument("--quick", action="store_true",
                     help="skip the 2,048-token prefill and decode 24 tokens")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds over every column; the table shows medians (default 3)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     args = ap.parse_args()
@@ -173,36 +182,48 @@ def main() -> None:
     rows = ["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in lengths]
     labels = {"decode_b1": "decode batch 1, tok/s", "decode_b8": "decode 8 streams, agg tok/s",
               **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in lengths}}
-    columns: dict[str, dict[str, float | None] | str] = {}
+    # every column's measurements (row -> a call returning the figure), made first; then
+    # `--repeat` rounds run every measurement of every column in turn, so a slower spell
+    # of the shared machine falls on all columns alike; the table shows medians
+    measures: dict[str, dict[str, Callable[[], float]] | str] = {}
     bytes_per_param: dict[str, float] = {}
-
     for fmt in [w for w in args.weights.split(",") if w]:
         engine = flare_engine(ckpt, fmt)
         flare_decode(engine, short, 1, 8)  # warm-up
-        columns[f"flare {fmt}"] = {
-            "decode_b1": flare_decode(engine, short, 1, n_dec),
-            "decode_b8": flare_decode(engine, short, 8, n_dec),
-            **{f"prefill_{n}": flare_prefill(engine, ids_of(n)) for n in lengths}}
+        measures[f"flare {fmt}"] = {
+            "decode_b1": functools.partial(flare_decode, engine, short, 1, n_dec),
+            "decode_b8": functools.partial(flare_decode, engine, short, 8, n_dec),
+            **{f"prefill_{n}": functools.partial(flare_prefill, engine, ids_of(n))
+               for n in lengths}}
         bytes_per_param[f"flare {fmt}"] = flare_bytes_per_param(cfg, fmt)
-        del engine
-        gc.collect()
-
     if not args.skip_transformers:
         model = hf_model(ckpt)
         hf_prefill(model, ids_of(64))  # warm-up
-        columns["transformers fp32"] = {
-            "decode_b1": hf_decode(model, short, 1, n_dec),
-            "decode_b8": hf_decode(model, short, 8, n_dec),
-            **{f"prefill_{n}": hf_prefill(model, ids_of(n)) for n in lengths}}
+        measures["transformers fp32"] = {
+            "decode_b1": functools.partial(hf_decode, model, short, 1, n_dec),
+            "decode_b8": functools.partial(hf_decode, model, short, 8, n_dec),
+            **{f"prefill_{n}": functools.partial(hf_prefill, model, ids_of(n))
+               for n in lengths}}
         bytes_per_param["transformers fp32"] = 4.0
-        del model
-        gc.collect()
-
     if not args.skip_llama_cpp:
-        columns["llama.cpp"] = llama_cpp_figures(gguf, ids_of, args.threads, n_dec, lengths)
+        measures["llama.cpp"] = llama_cpp_measures(gguf, ids_of, args.threads, n_dec, lengths)
         layers, out = linear_params(cfg)
         # the GGUF's tensor bytes per parameter (Q4_1 layers, Q8_0 embedding / output)
         bytes_per_param["llama.cpp"] = gguf.stat().st_size / (layers + out)
+
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.repeat):
+        for row in rows:
+            for col, m in measures.items():
+                if not isinstance(m, str) and row in m:
+                    samples.setdefault((col, row), []).append(m[row]())
+    columns: dict[str, dict[str, float | None] | str] = {
+        col: m if isinstance(m, str) else
+        {row: statistics.median(samples[col, row]) if (col, row) in samples else None
+         for row in rows}
+        for col, m in measures.items()}
+    del measures
+    gc.collect()
 
     gflops = gemm_gflops()
     copy_bw, read_bw = bandwidth_gbs()
@@ -219,7 +240,8 @@ def main() -> None:
         return steps * per_step / (bw * 1e9)
 
     print(f"embedded model {gguf.name}; {args.threads} threads; torch {torch.__version__}; "
-          f"decode {n_dec} tokens after a {SHORT_PROMPT}-token prompt")
+          f"decode {n_dec} tokens after a {SHORT_PROMPT}-token prompt; medians of "
+          f"{args.repeat} rounds")
     width = 22
     print(f"{'figure':30}" + "".join(f"{c:>{width}}" for c in columns))
     for row in rows:

@@ -77,12 +77,13 @@ on a shared machine; medians of 5): fp32 1.22 ms at 1 token, 2.82 ms at 8, 50.8 
   (next-token agreement with the float product stays at 96 of 96 teacher-forced
   positions, see tests/unit/test_quant_parity.py); `q4` keeps float32 activations.
 
-  Measured on the 2-core AVX2 machine, 2 threads, one kernel call with the weight in
-  cache, microseconds, q4 kernel / q4x8 kernel: q/k/v (960 x 576) 59 / 15 at 1 row,
-  238 / 87 at 8; gate/up (3072 x 576) 243 / 46 at 1 row, 784 / 258 at 8, 512 rows
-  (dequantize + MKL for q4) about 42,000 / 16,300. Engine on the embedded model (one run,
-  another job on the machine): decode at batch 1 66.3 (q4) / 114.8 (q4x8) tok/s, 8
-  streams 130.6 / 262.5 aggregate, prefill 512 tokens 516 / 340 tok/s.
+  Measured on the 2-core AVX2 machine (`bench/peers.py --weights fp16,q4,q4x8 --repeat
+  3`, medians of 3 interleaved rounds, 2 threads), fp16 / q4 / q4x8 / llama.cpp on the
+  same GGUF: decode at batch 1 48.9 / 72.9 / 108.0 / 101.5 tok/s, 8 streams 218.9 /
+  179.3 / 351.1 / - aggregate, prefill 512 tokens 490 / 451 / 612 / 187, 2,048 tokens
+  383 / 362 / 455 / 157 tok/s. Kernel alone, 2 threads, weights in cache, float32
+  scales: gate/up (3072 x 576) and q/k/v (960 x 576) one after the other 41 us at 1 row,
+  190 at 8; gate/up alone about 70 GMAC/s from 4 rows up.
 """
 
 from __future__ import annotations

@@ -216,15 +216,7 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
 
 void check_packed(const torch::Tensor& x, const torch::Tensor& codes,
                   const torch::Tensor& scales, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [B, K] tensor");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
-              "codes and scales must be contiguous");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.dim() == 2 &&
-                  scales.size(0) == codes.size(0) && scales.size(1) == K / QK,
-              "packed scales must be float16 [N, K/32]");
+  flare_qrows::check_common(x, codes, scales, K, torch::kHalf);
   TORCH_CHECK(codes.size(0) % 8 == 0, "packed weights have a multiple of 8 rows, got ",
               codes.size(0));
 }

@@ -14,17 +14,19 @@ namespace flare_qrows {
 constexpr int64_t QK = 32;   // values per block
 constexpr int64_t TILE = 8;  // rows of x per pass over a weight row (registers: 8 + 5)
 
+// x float32 [B, K], contiguous codes [N, ...] and scales `scale_type` [N, K/32].
 inline void check_common(const torch::Tensor& x, const torch::Tensor& codes,
-                         const torch::Tensor& scales, int64_t K) {
+                         const torch::Tensor& scales, int64_t K,
+                         torch::ScalarType scale_type = torch::kFloat32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [B, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
   TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous(),
               "codes and scales must be contiguous");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.dim() == 2 &&
+  TORCH_CHECK(scales.scalar_type() == scale_type && scales.dim() == 2 &&
                   scales.size(0) == codes.size(0) && scales.size(1) == K / QK,
-              "scales must be float32 [N, K/32]");
+              "scales must be ", scale_type, " [N, K/32]");
 }
 
 // Output rows are split over torch's intra-op threads; rows of x go in tiles of TILE, so

@@ -192,6 +192,27 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+# serve's options that shape the package --embedded prepares; a given PKG has its own
+PREPARE_ONLY = ("max_seq_len", "max_num_seqs", "page_size", "num_pages", "max_batch_tokens",
+                "dtype", "host_tier_mib", "disk_tier_mib", "weights")
+
+
+def _refuse_prepare_flags(args: argparse.Namespace) -> None:
+    """`flare serve PKG` with a plan or weight flag: the package's own plan and weights
+    are what it serves, so the flag would be ignored; say so instead.
+
+    Raises:
+        ValueError: naming the flags.
+    """
+    defaults = build_parser().parse_args(["serve", "--embedded"])
+    given = [f"--{k.replace('_', '-')}" for k in PREPARE_ONLY
+             if getattr(args, k) != getattr(defaults, k)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: prepare options, used by serve --embedded "
+                         f"only; {args.package} keeps the plan and weights it was prepared "
+                         f"with (run flare prepare ... --out PKG to change them)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.embedded == (args.package is not None):
         raise ValueError("serve needs exactly one of PKG or --embedded")
@@ -205,6 +226,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                  **_plan_kwargs(args))
         state_dir = args.state_dir or cache_dir / "state"
     else:
+        _refuse_prepare_flags(args)
         package = args.package  # serve's load_package checks the contract (a one-line error)
         state_dir = args.state_dir
     if args.restore_cost_factor < 0:

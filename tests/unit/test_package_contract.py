@@ -63,6 +63,8 @@ def test_check_passes(tiny_qwen3_package):
     assert m.graph_capture["enabled"] is False and m.graph_capture["reason"]
     assert m.tuning["torch_num_threads"] >= 1
     assert {"model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(m.payload)
+    # readable like the other package files (safetensors itself writes 0600)
+    assert (tiny_qwen3_package / "model.safetensors").stat().st_mode & 0o777 == 0o644
     assert MANIFEST_NAME not in m.payload
 
 

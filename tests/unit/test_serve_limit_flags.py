@@ -79,3 +79,13 @@ def test_serve_embedded_passes_the_weight_format_to_its_package(monkeypatch, tmp
         assert seen["weights"] == want
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--embedded", "--weights", "q3"])
+
+
+@pytest.mark.parametrize("argv", [["--weights", "q4x8"], ["--num-pages", "64"],
+                                  ["--max-seq-len", "128", "--dtype", "bfloat16"]])
+def test_serve_pkg_refuses_flags_that_only_shape_an_embedded_package(argv, tmp_path):
+    from flare.cli import cmd_serve
+
+    args = build_parser().parse_args(["serve", str(tmp_path), *argv])
+    with pytest.raises(ValueError, match=f"{argv[0]}.*keeps the plan and weights"):
+        cmd_serve(args)

@@ -284,6 +284,7 @@ def write_package(
     tmp.mkdir()
     try:
         save_file(stored, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS_NAME, 0o644)  # safetensors writes 0600; the rest is 0644
         ckpt.tokenizer.save_pretrained(str(tmp))
         payload = scan_payload(tmp)
         manifest = Manifest(

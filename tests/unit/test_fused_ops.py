@@ -313,3 +313,19 @@ def test_decode_attention_gather_equals_masked_sdpa(heads):
         OPS.decode_attention_gather(q, kc, vc, bad, lengths, 0.125)
     with pytest.raises(RuntimeError, match="lengths"):
         OPS.decode_attention_gather(q, kc, vc, gather, torch.tensor([5, 17, 0, 40]), 0.125)
+
+
+@needs_ops
+def test_decode_attention_non_finite_scores_give_nan_and_bad_arguments_raise():
+    kc, vc = torch.randn(16, 2, 64), torch.randn(16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    q[1, 0, 3] = float("nan")
+    o = OPS.decode_attention_gather(q, kc, vc, torch.arange(16).repeat(2, 1),
+                                    torch.tensor([16, 16]), 0.125)
+    assert bool(o[1, 0].isnan().all())  # the one query head with the NaN
+    assert bool(o[0].isfinite().all()) and bool(o[1, 1:].isfinite().all())
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OPS.decode_attention(q[0].contiguous(), kc, vc, 2 ** 63 - 1, 1, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of KVH"):
+        OPS.decode_attention(q[0].contiguous(), torch.randn(16, 0, 64), torch.randn(16, 0, 64),
+                             0, 4, 0.125)

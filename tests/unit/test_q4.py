@@ -361,3 +361,21 @@ def test_q4_reuse_equals_recompute(tiny_qwen3_dir, fmt):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the kernel was there: no dense fallback
         Linear(quantize_q4(torch.randn(8, 32)), None, torch.float32)
+
+
+@needs_kernel
+def test_q4x8_non_finite_activations_give_nan_not_numbers():
+    """A NaN or inf in a row makes that row's outputs NaN (max and the int8 conversion
+    would otherwise drop it into finite garbage); other rows are untouched."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 64)
+    x[0, 5], x[1, 40] = float("nan"), float("inf")
+    for q in (Q4x8Weight.pack(quantize_q4(torch.randn(16, 64))),
+              Q8x8Weight.pack(quantize_q8(torch.randn(16, 64)))):
+        y = Linear(q, None, torch.float32)(x)
+        assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
+
+
+def test_q4x8_refuses_scales_beyond_float16():
+    with pytest.raises(ValueError, match="'x.big.weight' has block scales or mins beyond"):
+        convert_tensors({"x.big.weight": torch.randn(8, 64) * 1e6}, "q4x8")

@@ -376,6 +376,12 @@ void attend_head(const float* q, const float* k, const float* v, int64_t stride,
   scores(q, k, stride, slot, M, D, sc, pr);
   float mx = -INFINITY;  // softmax in place; the padding lanes end as 0
   for (int64_t j = 0; j < M; ++j) mx = std::max(mx, pr[j]);
+  bool finite = std::isfinite(mx);  // std::max and exp8's clamps drop NaN: check them here
+  for (int64_t j = 0; j < M && finite; ++j) finite = !std::isnan(pr[j]);
+  if (!finite) {  // a NaN or infinite score: the output is NaN, as SDPA's
+    for (int64_t i = 0; i < D; ++i) o[i] = NAN;
+    return;
+  }
   for (int64_t j = M; j < Mp; ++j) pr[j] = mx;
   const __m256 mv = _mm256_set1_ps(mx);
   for (int64_t j = 0; j < Mp; j += 8)
@@ -396,7 +402,8 @@ void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [S, KVH, D] with q's D");
-  TORCH_CHECK(H % KVH == 0, "H (", H, ") must be a multiple of KVH (", KVH, ")");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "H (", H, ") must be a multiple of KVH (", KVH,
+              ") > 0");
 }
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -405,7 +412,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   check_f32(q, "q", 2);
   check_caches(q, k_cache, v_cache);
   const int64_t H = q.size(0), D = q.size(1), KVH = k_cache.size(1), S = k_cache.size(0);
-  TORCH_CHECK(length > 0 && start >= 0 && start + length <= S,
+  TORCH_CHECK(length > 0 && start >= 0 && start <= S - length,
               "slots [", start, ", ", start + length, ") outside the cache [0, ", S, ")");
   const int64_t G = H / KVH;
   auto o = torch::empty({H, D}, q.options());

@@ -14,7 +14,7 @@
 // the dequantized activations, up to summation order: the integer sums are exact, and
 // only the activation rounding (at most amax/254 per value) departs from `qgemm.cpp`'s
 // float32 product. Every row of x is computed by the same instructions whatever the
-// batch, so a token's result does not depend on the tokens computed beside it.
+// batch, so a row's result does not depend on the rows computed beside it.
 //
 // Weights are in the 8-row interleaved layout `flare.models.quant` stores for `q4x8`:
 // rows 8g..8g+7 form group g (N is a multiple of 8), and a group's block kb is
@@ -34,6 +34,7 @@
 #include "qrows.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <tuple>
@@ -60,13 +61,18 @@ void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* q, float* d, fl
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h);
+    float amax = _mm_cvtss_f32(h);
+    // max_ps drops NaN lanes: a block holding NaN or inf gets scale NaN (and codes 0), so
+    // every output it feeds is NaN, as the float product's would be non-finite
+    __m256 any = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) any = _mm256_or_ps(any, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+    if (!std::isfinite(amax) || _mm256_movemask_ps(any) != 0) amax = NAN;
     const float db = amax / 127.0f;
     d[b] = db;
     int8_t* qb = q + b * QK;
-    if (db == 0.0f) {
+    if (!(db > 0.0f)) {  // all zeros (codes 0, scale 0), or not finite (scale NaN)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
-      if (s != nullptr) s[b] = 0.0f;
+      if (s != nullptr) s[b] = db == 0.0f ? 0.0f : NAN;
       continue;
     }
     // x / d, not x * (1 / d): the division rounds as torch's does, so the codes equal

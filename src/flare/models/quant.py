@@ -72,8 +72,14 @@ on a shared machine; medians of 5): fp32 1.22 ms at 1 token, 2.82 ms at 8, 50.8 
   mins, as the GGUF holds them (exact for the embedded model; other weights' scales are
   rounded to float16): 20 bytes per layer block and 34 per output-layer block, 96 MB per
   decoded token of the embedded model. The kernel runs every batch
-  size, prompts included (no dequantize + MKL path): a row's result never depends on the
-  rows beside it. Activation rounding moves the embedded model's logits by up to about 1
+  size, prompts included (no dequantize + MKL path): a linear layer's result for a row
+  never depends on the rows beside it. The request's output still can: prefill attention
+  sums in an order that depends on the chunk length, and int8 rounding turns those
+  last-bit differences into code steps, so with `q4x8` a greedy answer of the embedded
+  model may change after a few tokens when its prompt is chunked differently or runs
+  beside other requests (`fp16` absorbs the same differences; llama.cpp's Q4 arithmetic
+  has the same property). Activation rounding moves the embedded model's logits by up to
+  about 1
   (next-token agreement with the float product stays at 96 of 96 teacher-forced
   positions, see tests/unit/test_quant_parity.py); `q4` keeps float32 activations.
 
@@ -344,6 +350,17 @@ def _check_groups(n: int, name: str) -> None:
                          f"multiple of 8; use --weights q4")
 
 
+def _half(t: torch.Tensor, name: str) -> torch.Tensor:
+    """Block scales or mins as float16. Raises ValueError naming the weight when one is
+    beyond float16's range (it would turn infinite)."""
+    h = t.half()
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError(f"weight {name!r} has block scales or mins beyond float16's range "
+                         f"(+-{FP16_MAX:g}): weight format 'q4x8' stores them as float16; "
+                         f"use --weights q4")
+    return h
+
+
 @dataclass(frozen=True)
 class Q4x8Weight:
     """A `Q4Weight` [N, K] in the 8-row interleaved layout, run with int8 activations.
@@ -359,10 +376,11 @@ class Q4x8Weight:
 
     @classmethod
     def pack(cls, w: Q4Weight, name: str = "weight") -> "Q4x8Weight":
-        """Raises ValueError: N is not a multiple of 8 (naming `name`)."""
+        """Raises ValueError: N is not a multiple of 8, or a scale or min beyond float16's
+        range (naming `name`)."""
         _check_groups(w.codes.shape[0], name)
-        return cls(_interleave(w.codes, 4), _interleave(w.scales.half(), 1),
-                   _interleave(w.mins.half(), 1))
+        return cls(_interleave(w.codes, 4), _interleave(_half(w.scales, name), 1),
+                   _interleave(_half(w.mins, name), 1))
 
     def unpack(self) -> Q4Weight:
         return Q4Weight(_deinterleave(self.codes, 4), _deinterleave(self.scales, 1).float(),
@@ -390,9 +408,10 @@ class Q8x8Weight:
 
     @classmethod
     def pack(cls, w: Q8Weight, name: str = "weight") -> "Q8x8Weight":
-        """Raises ValueError: N is not a multiple of 8 (naming `name`)."""
+        """Raises ValueError: N is not a multiple of 8, or a scale beyond float16's range
+        (naming `name`)."""
         _check_groups(w.codes.shape[0], name)
-        return cls(_interleave(w.codes, 4), _interleave(w.scales.half(), 1))
+        return cls(_interleave(w.codes, 4), _interleave(_half(w.scales, name), 1))
 
     def unpack(self) -> Q8Weight:
         return Q8Weight(_deinterleave(self.codes, 4), _deinterleave(self.scales, 1).float())

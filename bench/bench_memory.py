@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -40,7 +38,6 @@ DEFAULT_CACHE = ROOT / ".cache" / "flare-bench-memory"
 MIB = 1 << 20
 TARGET_MIB = 300  # issue 9: peak RSS <= report + 300 MiB
 LONG_PROMPT_TOKENS = 1500
-STOP_WAIT_S = 20  # after SIGTERM, before SIGKILL
 
 PARAGRAPH = ("The service keeps a pool of key-value pages shared by every sequence; a "
              "request takes pages as its context grows and gives them back when it ends. "
@@ -163,20 +160,6 @@ def memory_metrics(url: str) -> list[str]:
             if "bytes" in line and not line.startswith("#")]
 
 
-def stop_server(proc: subprocess.Popen | None) -> int | None:
-    """SIGTERM, wait up to STOP_WAIT_S, then SIGKILL; returns the exit status."""
-    if proc is None:
-        return None
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(STOP_WAIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    return proc.returncode
-
-
 def mib(nbytes: float) -> str:
     """Bytes as MiB, one decimal."""
     return f"{nbytes / MIB:.1f}"
@@ -286,9 +269,7 @@ def main() -> None:
     finally:
         if sampler is not None:
             sampler.stop()
-        status = stop_server(server.proc)
-        server.proc = None
-        print(f"server stopped (exit status {status})")
+        print(f"server stopped (exit status {server.stop()})")
 
 
 if __name__ == "__main__":

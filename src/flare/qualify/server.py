@@ -112,16 +112,17 @@ class ManagedServer:
         raise ServerStartError(f"flare serve did not answer /health within "
                                f"{self.startup_timeout:.0f} s:\n{self._log_tail()}")
 
-    def stop(self) -> None:
+    def stop(self) -> int | None:
+        """Stop the process: SIGINT, then SIGTERM, then SIGKILL, each after a wait.
+        Returns its exit status, or None when none was started."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
-            return
+            return None if proc is None else proc.returncode
         for sig, wait in ((signal.SIGINT, 15), (signal.SIGTERM, 5)):
             proc.send_signal(sig)
             try:
-                proc.wait(wait)
-                return
+                return proc.wait(wait)
             except subprocess.TimeoutExpired:
                 continue
         proc.kill()
-        proc.wait(5)
+        return proc.wait(5)

@@ -2,7 +2,9 @@
 
 `qgemm()` returns the extension module built from `qgemm.cpp` (block-quantized weight
 GEMMs, see that file and `flare.models.quant`), `qdot8.cpp` (the same with int8
-activations, weight format `q4x8`) and `fused.cpp` (fused float32 ops for the
+activations, weight format `q4x8`), `dense.cpp` (row-invariant GEMMs for float16 and
+float32 weights in 16-output panels, formats `fp16` and `full`) and `fused.cpp` (fused
+float32 ops for the
 dense decoder's small per-layer steps: RMSNorm, residual add + RMSNorm, RoPE + K/V store,
 SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
 `fused_ops()` returns the same module for those ops, or None where it cannot be had or
@@ -40,7 +42,8 @@ import torch
 
 from flare.cache_dir import default_cache_dir
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp",
+                                                     "dense.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # included by the sources
 # -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp
@@ -160,6 +163,11 @@ def qgemm() -> ModuleType:
         q8x8_linear(x [B, K], codes, scales) -> y [B, N]          activations, weights
             in the 8-row interleaved layout of `flare.models.quant.Q4x8Weight`)
         quantize_rows_q8(x [B, K]) -> (codes int8 [B, K], scales [B, K/32])
+        dense_pack(w [N, K] float16 or float32) -> panels [ceil(N/16), K, 16]
+        f16_linear(x [B, K], panels float16, N, bias [N] | None) -> y [B, N]
+        f32_linear(x [B, K], panels float32, N, bias [N] | None) -> y [B, N]
+            (dense.cpp: row-invariant, a row's result never depends on the other rows
+            of the call or the thread count)
         rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention (see `fused_ops`)
 
     Raises:

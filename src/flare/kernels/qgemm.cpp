@@ -240,13 +240,16 @@ torch::Tensor q4_dequantize(const torch::Tensor& codes, const torch::Tensor& sca
 
 void flare_register_fused(pybind11::module_& m);  // fused.cpp
 void flare_register_qdot8(pybind11::module_& m);  // qdot8.cpp
+void flare_register_dense(pybind11::module_& m);  // dense.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Flare block-quantized (q4, q8) weight GEMMs and fused float32 ops, AVX2/FMA";
+  m.doc() = "Flare block-quantized (q4, q8) and row-invariant dense (f16, f32) weight GEMMs "
+            "and fused float32 ops, AVX2/FMA";
   m.def("q4_linear", &q4_linear, "y[B, N] = x[B, K] @ dequant_q4(W)^T, float32");
   m.def("q8_linear", &q8_linear, "y[B, N] = x[B, K] @ dequant_q8(W)^T, float32");
   m.def("q4_dequantize", &q4_dequantize, "float32 [N, K] = scale * code + min");
   m.def("q4_dequantize_into", &q4_dequantize_into, "as q4_dequantize, into out [N, K]");
   flare_register_qdot8(m);  // q4x8_linear, q8x8_linear, quantize_rows_q8
+  flare_register_dense(m);  // dense_pack, f16_linear, f32_linear
   flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention
 }

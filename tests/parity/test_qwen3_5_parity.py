@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from flare.models import qwen3_5
 from flare.models.qwen3_5 import (Qwen3_5Config, Qwen3_5Model, expected_tensor_names,
-                                  gated_delta_chunked, gated_delta_step, state_layout,
+                                  gated_delta_rule, gated_delta_step, state_layout,
                                   text_model_tensors)
 from hybrid_driver import HybridParityChecks, Runner, build_tiny
 
@@ -70,22 +70,38 @@ def test_multimodal_checkpoint_names_map_to_the_text_model():
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",)
 
 
-def test_gated_delta_chunked_equals_token_loop():
+def test_gated_delta_rule_equals_token_loop():
+    """Two sequences' runs (150 and 3 tokens) from their slots: the torch fallback is the
+    step loop bit for bit; the kernel (where it builds) within float32 rounding."""
+    from flare.kernels import fused_ops
+
     torch.manual_seed(0)
-    t, h, dk, dv = 150, 3, 8, 5  # several 64-token chunks and a ragged last one
-    q = torch.nn.functional.normalize(torch.randn(t, h, dk), dim=-1) * dk ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(t, h, dk), dim=-1)
+    t, hq, h, dk, dv = 153, 3, 6, 8, 5  # each q/k head serves two value heads
+    q = torch.nn.functional.normalize(torch.randn(t, hq, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(t, hq, dk), dim=-1)
     v = torch.randn(t, h, dv)
     g = -torch.rand(t, h) * 0.3
     beta = torch.rand(t, h)
-    s0 = torch.randn(h, dk, dv)
-    o_ref, s = torch.empty(t, h, dv), s0.unsqueeze(0)
-    for i in range(t):
-        o_i, s = gated_delta_step(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1],
-                                  beta[i:i + 1], s)
-        o_ref[i] = o_i[0]
-    o, s_end = gated_delta_chunked(q, k, v, g, beta, s0)
-    assert torch.allclose(o, o_ref, atol=1e-5) and torch.allclose(s_end, s[0], atol=1e-5)
+    pool = torch.randn(4, h, dk, dv)
+    starts, slots = torch.tensor([0, 150, 153]), torch.tensor([2, 0])
+    o_ref, s_ref = torch.empty(t, h, dv), pool.clone()
+    for n, slot in enumerate(slots.tolist()):
+        s = pool[slot:slot + 1]
+        for i in range(int(starts[n]), int(starts[n + 1])):
+            o_i, s = gated_delta_step(q[i:i + 1].repeat_interleave(2, 1),
+                                      k[i:i + 1].repeat_interleave(2, 1), v[i:i + 1],
+                                      g[i:i + 1], beta[i:i + 1], s)
+            o_ref[i] = o_i[0]
+        s_ref[slot] = s[0]
+    state = pool.clone()
+    o = gated_delta_rule(q, k, v, g, beta, state, starts, slots)
+    assert torch.equal(o, o_ref) and torch.equal(state, s_ref)
+    ops = fused_ops()
+    if ops is not None:
+        state = pool.clone()
+        o = gated_delta_rule(q, k, v, g, beta, state, starts, slots, ops)
+        assert torch.allclose(o, o_ref, atol=1e-5) and torch.allclose(state, s_ref, atol=1e-5)
+        assert torch.equal(state[[1, 3]], pool[[1, 3]])  # slots not named are untouched
 
 
 def test_flare_loader_reads_a_multimodal_folder(tiny, tmp_path):

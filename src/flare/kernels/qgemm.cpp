@@ -240,6 +240,7 @@ torch::Tensor q4_dequantize(const torch::Tensor& codes, const torch::Tensor& sca
 
 void flare_register_fused(pybind11::module_& m);  // fused.cpp
 void flare_register_qdot8(pybind11::module_& m);  // qdot8.cpp
+void flare_register_recurrent(pybind11::module_& m);  // recurrent.cpp
 void flare_register_dense(pybind11::module_& m);  // dense.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -252,4 +253,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   flare_register_qdot8(m);  // q4x8_linear, q8x8_linear, quantize_rows_q8
   flare_register_dense(m);  // dense_pack, f16_linear, f32_linear
   flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention
+  flare_register_recurrent(m);  // gated_delta_rule
 }

@@ -1,10 +1,22 @@
-"""Pieces shared by the hybrid recipes (`qwen3_5`, `lfm2`): RMSNorm flavours, RoPE tables
-(full or partial), config-dict helpers, and the causal depthwise convolution that carries
-its last kernel-1 inputs from step to step in a state slot.
+"""Pieces shared by the hybrid recipes (`qwen3_5`, `qwen3_next`, `lfm2`): RMSNorm flavours,
+RoPE tables (full or partial), config-dict helpers, row-invariant activations, and the
+causal depthwise convolution that carries its last kernel-1 inputs from step to step in a
+state slot.
 
 Every function works on the step's flat token list (see `AttentionBatch`): decode tokens
 first, one per sequence, then each prefill chunk; per-sequence state is addressed by the
 batch's `state_slots` (decode) and `state_slot` (each chunk).
+
+Exact by default: each function computes a token's row with arithmetic that does not
+depend on the other rows of the call nor on how many there are, so a token's result is
+the same alone, in a prefill chunk of any length or beside other sequences. Norms reduce
+over the last axis only (torch reduces each row in one fixed order whatever T); the conv
+takes its K taps in a fixed order with elementwise products and sums; the activations
+(`sigmoid`, `silu`, `softplus`) are written with `torch.exp` / `torch.log1p`, which run one
+vectorized routine on every element, and exactly rounded arithmetic, because torch's own
+`torch.sigmoid`, `F.silu` and `F.softplus` compute the last elements of a buffer (and of
+each thread's share) with a scalar routine whose results differ in the last bit, so a
+row's values would depend on where it lies in the batch.
 """
 
 from __future__ import annotations
@@ -12,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch
 
@@ -30,6 +41,34 @@ def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise 1 / (1 + exp(-x)), row-invariant (see the module docstring).
+
+    Args:
+        x: any shape, floating dtype. Returns: same shape and dtype.
+    """
+    return torch.exp(-x).add_(1).reciprocal_()
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise x / (1 + exp(-x)), row-invariant (see the module docstring).
+
+    Args:
+        x: any shape, floating dtype. Returns: same shape and dtype.
+    """
+    return x / torch.exp(-x).add_(1)
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise log(1 + exp(x)), x itself above 20 (`F.softplus`'s default threshold),
+    row-invariant (see the module docstring).
+
+    Args:
+        x: any shape, floating dtype. Returns: same shape and dtype.
+    """
+    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
 
 
 def rope_tables(theta: float, rotary_dim: int, max_positions: int, dtype: torch.dtype,
@@ -98,7 +137,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
     The state of a slot holds the conv inputs of the kernel-1 tokens before the group's
     first token (zeros at position 0, which is transformers' left zero padding), so a
-    prefill cut into chunks computes what one chunk would.
+    prefill cut into chunks computes what one chunk would. Decode tokens and prefill
+    chunks run the same arithmetic (`conv_taps`): per output, the K taps oldest first,
+    each an elementwise product added to the running sum, then the bias; so an output is
+    bit for bit the same however the sequence is chunked or batched.
 
     Args:
         x: [T, C] conv inputs of the step's tokens.
@@ -112,19 +154,40 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Returns:
         [T, C] conv outputs (no activation), dtype of `x`.
     """
-    c, k = weight.shape
+    taps = weight.T  # [K, C]
     out = torch.empty_like(x)
     dec = batch.decode
     if dec is not None:
         b, slots = dec.num_seqs, dec.state_slots
-        window = torch.cat([states[slots], x[:b].unsqueeze(-1)], dim=-1)  # [B, C, K]
-        y = (window * weight).sum(-1)  # [B, C]
-        out[:b] = y if bias is None else y + bias
-        states.index_copy_(0, slots, window[..., 1:])
+        window = torch.cat([states[slots].transpose(1, 2), x[:b].unsqueeze(1)], dim=1)
+        out[:b] = conv_taps(window, taps, bias)[:, 0]  # window [B, K, C]
+        states.index_copy_(0, slots, window[:, 1:].transpose(1, 2))
     for chunk in batch.prefills:
         s, t, slot = chunk.start, chunk.length, chunk.state_slot
-        window = torch.cat([states[slot], x[s:s + t].T], dim=-1)  # [C, K-1+t]
-        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=c)  # [1, C, t]
-        out[s:s + t] = y[0].T
-        states[slot].copy_(window[:, window.shape[1] - (k - 1):])
+        window = torch.cat([states[slot].T, x[s:s + t]]).unsqueeze(0)  # [1, K-1+t, C]
+        out[s:s + t] = conv_taps(window, taps, bias)[0]
+        states[slot].copy_(window[0, t:].T)  # the last K-1 inputs
     return out
+
+
+def conv_taps(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+    """The causal depthwise conv of windows of inputs, each output from its K inputs in a
+    fixed order: y_t = (((w_0 x_t + w_1 x_(t+1)) + ...) + w_(K-1) x_(t+K-1)) + bias, every
+    product and sum an elementwise torch op (exactly rounded, whatever the shapes).
+
+    Args:
+        window: [G, K-1+L, C] for G groups: each group's K-1 earlier inputs, then its L
+            new ones.
+        taps: [K, C] the kernel, oldest tap first (`weight.T`).
+        bias: [C] or None.
+
+    Returns:
+        [G, L, C] outputs, dtype of `window`.
+    """
+    k = taps.shape[0]
+    n = window.shape[1] - (k - 1)
+    acc = window[:, 0:n] * taps[0]
+    for j in range(1, k):
+        acc = acc + window[:, j:j + n] * taps[j]
+    return acc if bias is None else acc + bias

@@ -1,4 +1,4 @@
-"""The decoder loop shared by the hybrid recipes (`qwen3_5`, `lfm2`).
+"""The decoder loop shared by the hybrid recipes (`qwen3_5`, `qwen3_next`, `lfm2`).
 
 A hybrid model is a stack of pre-norm blocks: norm, a *mixer* (GQA attention over the paged
 KV cache, or a recipe's own sequence mixer that keeps its per-sequence state in a state
@@ -11,18 +11,27 @@ The attention covers both recipes' flavours: per-head q/k RMSNorm (the recipe's 
 on the first `rotary_dim` channels of each head (all of them for LFM2, a quarter for
 Qwen3.5), optional q/k/v/o biases and Qwen3.5's sigmoid output gate (`q_proj` yields a
 query and a gate per head).
+
+Exact by default: every linear layer is a `flare.models.quant.Linear` built once at load
+(its CPU float kernel gives a row the same result whatever rows are beside it), the
+attention runs `paged_attention` with Flare's fused ops when serving float32 on CPU (one
+fixed-order routine for decode and prefill), and norms, RoPE and activations are
+row-invariant torch ops (`flare.models.hybrid_common`). So a token's logits are the same
+bit for bit in one prefill, in chunks of any size, after reuse of a saved state, and alone
+or batched beside other sequences.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch, paged_attention
-from flare.models.hybrid_common import apply_rope, check_state_slots, rope_tables
+from flare.models.hybrid_common import apply_rope, check_state_slots, rope_tables, sigmoid, silu
+from flare.models.quant import Linear
 from flare.state.pools import KVCache
 from flare.state.slots import StateSlotPool
 
@@ -30,26 +39,45 @@ from flare.state.slots import StateSlotPool
 NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A `flare.models.quant.Linear` of a weight [out, in] (and bias [out]) in the serving
+    dtype, which is the weight's own dtype for the hybrid recipes (weight format `full`)."""
+    return Linear(weight, bias, weight.dtype)
+
+
+def kernel_ops(dtype: torch.dtype, device: torch.device) -> tuple[ModuleType | None,
+                                                                  ModuleType | None]:
+    """The kernel module for (attention, recurrence): `flare.kernels.fused_ops()` for the
+    attention when serving float32 on CPU, and for the gated delta rule on CPU in any
+    serving dtype (it runs in float32); None where it cannot be had ($FLARE_FUSED_OPS=0,
+    no AVX2/FMA, no compiler) or off the CPU, which selects the torch paths."""
+    if device.type != "cpu":
+        return None, None
+    from flare.kernels import fused_ops
+
+    ops = fused_ops()
+    rec = ops if ops is not None and hasattr(ops, "gated_delta_rule") else None
+    return (ops if dtype == torch.float32 else None), rec
+
+
 @dataclass
 class AttentionWeights:
     """One attention layer's weights, q/k/v fused.
 
     Attributes:
-        qkv: [H*Dq + 2 KVH*D, hidden], Dq = 2D when `gated` (per head: query | gate, as
-            Qwen3.5's `q_proj` lays them out), else D; then k, then v.
-        qkv_bias: [H*Dq + 2 KVH*D] or None.
+        qkv: weight [H*Dq + 2 KVH*D, hidden] (with its bias, if any), Dq = 2D when `gated`
+            (per head: query | gate, as Qwen3.5's `q_proj` lays them out), else D; then
+            k, then v.
         q_norm, k_norm: [D] per-head RMSNorm weights (applied with the model's norm).
-        o_proj: [hidden, H*D]; o_bias: [hidden] or None.
+        o_proj: weight [hidden, H*D] (with its bias, if any).
         kv_index: this layer's index into `kv.k` / `kv.v`.
         gated: the attention output is multiplied by sigmoid(gate) before `o_proj`.
     """
 
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o_proj: Linear
     kv_index: int
     gated: bool = False
 
@@ -57,15 +85,20 @@ class AttentionWeights:
 @dataclass
 class SwiGLU:
     """A dense SwiGLU MLP: gate_up [2 I, hidden] (gate rows, then up rows), down
-    [hidden, I], both in the serving dtype."""
+    [hidden, I], both in the serving dtype (`SwiGLU.of` builds it from the weights)."""
 
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def of(cls, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> "SwiGLU":
+        """From gate_proj [I, hidden], up_proj [I, hidden] and down_proj [hidden, I]."""
+        return cls(linear(torch.cat([gate, up])), linear(down))
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normalized inputs -> [T, hidden], dtype of `y`."""
-        gate, up = F.linear(y, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(y).chunk(2, dim=-1)  # [T, I] each
+        return self.down(silu(gate) * up)
 
 
 @dataclass
@@ -86,7 +119,7 @@ class HybridDecoder:
 
     Args:
         embed: [V, hidden] token embeddings (the serving dtype and device).
-        lm_head: [V, hidden], `embed` itself when tied.
+        lm_head: [V, hidden], `embed` itself when tied (run as a `Linear`).
         final_norm: [hidden].
         blocks: the decoder layers, in order.
         norm: the recipe's RMSNorm (`rms_norm` or `rms_norm_offset`), used for every norm
@@ -95,6 +128,11 @@ class HybridDecoder:
         num_heads, num_kv_heads, head_dim: attention geometry (D = head_dim).
         rotary_dim: RoPE channels per head (even, <= head_dim).
         rope_theta: RoPE base; max_positions: size of the RoPE tables.
+
+    Attributes:
+        ops: the kernel module passed to `paged_attention` (float32 on CPU), or None.
+        recurrent_ops: the kernel module for a recipe's recurrence (CPU), or None.
+        (Both from `kernel_ops`.)
     """
 
     def __init__(self, *, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -102,7 +140,8 @@ class HybridDecoder:
                  eps: float, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary_dim: int, rope_theta: float, max_positions: int) -> None:
         self.embed = embed
-        self.lm_head = lm_head
+        self.lm_head = linear(lm_head)
+        self.ops, self.recurrent_ops = kernel_ops(embed.dtype, embed.device)
         self.final_norm = final_norm
         self.blocks = blocks
         self.norm = norm
@@ -149,7 +188,7 @@ class HybridDecoder:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Next-token logits, fp32 [N, vocab], from final hidden states [N, hidden]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _mix(self, y: torch.Tensor, mixer: Any, layer: int, batch: AttentionBatch,
              states: StateSlotPool) -> torch.Tensor:
@@ -162,7 +201,7 @@ class HybridDecoder:
                    sin: torch.Tensor, batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = y.shape[0]
-        qg, k, v = F.linear(y, m.qkv, m.qkv_bias).split(
+        qg, k, v = m.qkv(y).split(
             [h * d * (2 if m.gated else 1), kvh * d, kvh * d], dim=-1)
         if m.gated:
             q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)  # [T, H, D] each
@@ -173,8 +212,8 @@ class HybridDecoder:
         k_cache, v_cache = kv.k_layers[m.kv_index], kv.v_layers[m.kv_index]
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v.view(t, kvh, d))
-        o = paged_attention(q, k_cache, v_cache, batch, d ** -0.5)
+        o = paged_attention(q, k_cache, v_cache, batch, d ** -0.5, self.ops)
         o = o.reshape(t, h * d)
         if gate is not None:
-            o = o * torch.sigmoid(gate.reshape(t, h * d))
-        return F.linear(o, m.o_proj, m.o_bias)
+            o = o * sigmoid(gate.reshape(t, h * d))
+        return m.o_proj(o)

@@ -9,6 +9,11 @@ layer ends in a SwiGLU MLP (`feed_forward.w1/w3/w2`). The final norm is named
 Per sequence the state is: KV pages of the attention layers (`kv.k[j]` is the j-th
 attention layer), plus one state slot (`StateSlotPool`) holding each conv layer's window
 of the last L_cache-1 `B * x` inputs, at the position after the last token seen.
+
+Exact by default: the projections are row-invariant `flare.models.quant.Linear`s and the
+conv takes its taps in one fixed order for decode and prefill (`causal_conv`), so a
+token's result does not depend on chunking, reuse or the batch (see
+`flare.models.hybrid_decoder`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch
 from flare.models.hybrid_common import causal_conv, eos_ids, rms_norm, rope_theta
-from flare.models.hybrid_decoder import AttentionWeights, HybridBlock, HybridDecoder, SwiGLU
+from flare.models.hybrid_decoder import (AttentionWeights, HybridBlock, HybridDecoder, SwiGLU,
+                                         linear)
+from flare.models.quant import Linear
 from flare.models.recipe import LayerStateSpec, StateLayout
 from flare.models.weights import tensor_getter
 from flare.state.slots import StateSlotPool
@@ -157,12 +163,10 @@ def expected_tensor_names(config: Lfm2Config) -> set[str]:
 
 @dataclass
 class _ShortConv:
-    in_proj: torch.Tensor  # [3 hidden, hidden]: B | C | x
-    in_bias: torch.Tensor | None
+    in_proj: Linear  # [3 hidden, hidden]: B | C | x (bias optional)
     conv: torch.Tensor  # [hidden, L_cache]
     conv_bias: torch.Tensor | None
-    out_proj: torch.Tensor  # [hidden, hidden]
-    out_bias: torch.Tensor | None
+    out_proj: Linear  # [hidden, hidden] (bias optional)
 
 
 class Lfm2Model(HybridDecoder):
@@ -195,21 +199,20 @@ class Lfm2Model(HybridDecoder):
             if kind == CONV:
                 a = p + "conv."
                 mixer = _ShortConv(
-                    in_proj=w(a + "in_proj.weight"), in_bias=opt(a + "in_proj.bias"),
+                    in_proj=linear(w(a + "in_proj.weight"), opt(a + "in_proj.bias")),
                     conv=w(a + "conv.weight").squeeze(1), conv_bias=opt(a + "conv.bias"),
-                    out_proj=w(a + "out_proj.weight"), out_bias=opt(a + "out_proj.bias"))
+                    out_proj=linear(w(a + "out_proj.weight"), opt(a + "out_proj.bias")))
             else:
                 a = p + "self_attn."
                 mixer = AttentionWeights(
-                    qkv=torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"]), qkv_bias=None,
+                    qkv=linear(torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])),
                     q_norm=w(a + "q_layernorm.weight"), k_norm=w(a + "k_layernorm.weight"),
-                    o_proj=w(a + "out_proj.weight"), o_bias=None, kv_index=kv_index[i])
+                    o_proj=linear(w(a + "out_proj.weight")), kv_index=kv_index[i])
             f = p + "feed_forward."
             blocks.append(HybridBlock(
                 index=i, input_norm=w(p + "operator_norm.weight"), mixer=mixer,
                 post_norm=w(p + "ffn_norm.weight"),
-                mlp=SwiGLU(gate_up=torch.cat([w(f + "w1.weight"), w(f + "w3.weight")]),
-                           down=w(f + "w2.weight"))))
+                mlp=SwiGLU.of(w(f + "w1.weight"), w(f + "w3.weight"), w(f + "w2.weight"))))
         super().__init__(
             embed=embed, lm_head=embed if c.tie_word_embeddings else w("lm_head.weight"),
             final_norm=w("model.embedding_norm.weight"), blocks=blocks, norm=rms_norm,
@@ -227,6 +230,6 @@ class Lfm2Model(HybridDecoder):
              states: StateSlotPool) -> torch.Tensor:
         """Gated short conv: in_proj to B, C, x; C * conv(B * x) with the layer's conv
         state; out_proj. [T, hidden] -> [T, hidden]."""
-        b, c, x = F.linear(y, m.in_proj, m.in_bias).chunk(3, dim=-1)  # [T, hidden] each
+        b, c, x = m.in_proj(y).chunk(3, dim=-1)  # [T, hidden] each
         conv = causal_conv(b * x, m.conv, m.conv_bias, batch, states.conv[layer])
-        return F.linear(c * conv, m.out_proj, m.out_bias)
+        return m.out_proj(c * conv)

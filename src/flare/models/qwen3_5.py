@@ -8,8 +8,12 @@ zero-centred q/k RMSNorm) over the paged KV cache; every layer ends in a dense S
 Per sequence the state is: KV pages of the full-attention layers (`kv.k[j]` is the j-th
 full-attention layer), plus one state slot (`StateSlotPool`) holding each DeltaNet layer's
 conv window (the last kernel-1 q/k/v inputs) and recurrent state, both at the position
-after the last token the forward has seen. Prefill chunks continue from their slot (the
-chunked gated delta rule below), decode tokens take one recurrent step. Weight names are
+after the last token the forward has seen. Prefill chunks continue from their slot and
+decode tokens take one step of the same token-by-token gated delta rule
+(`gated_delta_rule`: recurrent.cpp's kernel, or a torch token loop without it), so a
+token's output is bit for bit the same whether its sequence is prefilled at once, in
+chunks of any size, token by token or beside other sequences (with the row-invariant
+linear layers, attention and activations of `flare.models.hybrid_decoder`). Weight names are
 transformers' (`model.layers.N.linear_attn.in_proj_qkv.weight`, ...), so a saved
 `Qwen3_5ForCausalLM` folder loads as is; a Qwen3.5 hub folder (`...ForConditionalGeneration`,
 `model.language_model.*`) loads through `text_model_tensors`.
@@ -17,16 +21,18 @@ transformers' (`model.layers.N.linear_attn.in_proj_qkv.weight`, ...), so a saved
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable, ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from flare.models.attention import AttentionBatch
-from flare.models.hybrid_common import causal_conv, eos_ids, rms_norm, rms_norm_offset, rope_theta
-from flare.models.hybrid_decoder import AttentionWeights, HybridBlock, HybridDecoder, SwiGLU
+from flare.models.hybrid_common import (causal_conv, eos_ids, rms_norm, rms_norm_offset,
+                                        rope_theta, sigmoid, silu, softplus)
+from flare.models.hybrid_decoder import (AttentionWeights, HybridBlock, HybridDecoder, SwiGLU,
+                                         linear)
+from flare.models.quant import Linear
 from flare.models.recipe import LayerStateSpec, StateLayout
 from flare.models.weights import tensor_getter
 from flare.state.slots import StateSlotPool
@@ -218,8 +224,8 @@ def text_model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the gated delta rule for each of B sequences (the decode step, and
-    the token-by-token reference of the chunked form).
+    """One token of the gated delta rule for each of B sequences, in torch (the step of
+    `gated_delta_rule`'s fallback, and the reference of its kernel's tests).
 
     S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q.
 
@@ -238,51 +244,62 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return (state * q.unsqueeze(-1)).sum(-2), state
 
 
-def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor, state: torch.Tensor, chunk_size: int = 64
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence's T tokens, `chunk_size` tokens at a time.
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, starts: torch.Tensor,
+                     slots: torch.Tensor, ops: ModuleType | None = None) -> torch.Tensor:
+    """The gated delta rule, token by token, over N sequences' runs of a step's tokens, each
+    from (and advancing) its recurrent state slot: decode tokens (runs of 1) and prefill
+    chunks alike, so a token's output never depends on how its sequence was chunked or
+    what else ran in the step.
 
-    Within a chunk starting from state S0, with G_i the cumulative log decay up to token i,
-    the corrections u_i solve (I + L) U = beta V - (beta e^G K) S0 with
-    L_ij = beta_i e^(G_i - G_j) k_i.k_j (j < i); then o_i = e^(G_i) S0^T q_i +
-    sum_(j<=i) e^(G_i - G_j) (q_i.k_j) u_j and S = e^(G_C) S0 + sum_j e^(G_C - G_j) k_j u_j^T.
-    The same numbers as `gated_delta_step` applied token by token, up to rounding.
+    With `ops` (`flare.kernels.fused_ops()`, recurrent.cpp's `gated_delta_rule`) it runs
+    in C++, split over (sequence, head) pairs, each element a fixed sequence of fused
+    multiply-adds. Without, the torch fallback applies `gated_delta_step` to one token of
+    one sequence at a time (always the same shapes, so it too is consistent between
+    decode and prefill, though not bit-equal to the kernel); it is slow for long prompts.
 
     Args:
-        q, k: [T, H, Dk] float32, L2-normalised (q also scaled by Dk^-0.5).
-        v: [T, H, Dv] float32; g, beta: [T, H] float32.
-        state: [H, Dk, Dv] float32, the state before the first token.
+        q, k: [T, Hq, Dk] float32, L2-normalised (q also scaled by Dk^-0.5); value head h
+            reads query/key head h // (H / Hq).
+        v: [T, H, Dv] float32; g (log decay, <= 0), beta: [T, H] float32.
+        state: [S, H, Dk, Dv] float32 state pool, updated in place.
+        starts: int64 [N + 1], sequence n's tokens are [starts[n], starts[n+1]).
+        slots: int64 [N] distinct state slots of the sequences.
+        ops: the kernel module, or None for the torch fallback.
 
     Returns:
-        (o [T, H, Dv], the state after the last token), float32.
+        o [T, H, Dv] float32.
+
+    Raises:
+        RuntimeError: (kernel) a wrong dtype or shape, a slot out of range or named twice.
     """
-    t, h, dk = k.shape
-    dv = v.shape[-1]
-    c = min(chunk_size, t)  # a short chunk is one block, unpadded
-    n = -(-t // c)
-    pad = n * c - t  # zero padding at the end is inert: k = 0 and g = 0 keep S as it is
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).view(n, c, h, -1).permute(2, 0, 1, 3)
-               for x in (q, k, v))  # [H, N, C, D]
-    g, beta = (F.pad(x, (0, 0, 0, pad)).view(n, c, h).permute(2, 0, 1) for x in (g, beta))
-    gc = g.cumsum(-1)  # [H, N, C] log decay from the chunk's start through each token
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, -math.inf).exp()
-    kb = k * beta.unsqueeze(-1)
-    system = (kb @ k.transpose(-1, -2)) * decay  # [H, N, C, C]; read below the diagonal
-    rhs = torch.cat([v * beta.unsqueeze(-1), kb * gc.exp().unsqueeze(-1)], dim=-1)
-    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u_v, u_s = sol.split([dv, dk], dim=-1)  # U = u_v - u_s @ S0
-    attn = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C], diagonal included
-    q_decayed = q * gc.exp().unsqueeze(-1)
-    k_decayed = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)  # decay to the chunk's end
-    chunk_decay = gc[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
-    out = torch.empty(h, n, c, dv, dtype=q.dtype, device=q.device)
-    for i in range(n):
-        u = u_v[:, i] - u_s[:, i] @ state  # [H, C, Dv]
-        out[:, i] = q_decayed[:, i] @ state + attn[:, i] @ u
-        state = state * chunk_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ u
-    return out.permute(1, 2, 0, 3).reshape(n * c, h, dv)[:t], state
+    if ops is not None:
+        return ops.gated_delta_rule(q.contiguous(), k.contiguous(), v.contiguous(),
+                                    g.contiguous(), beta.contiguous(), state, starts, slots)
+    r = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for n, slot in enumerate(slots.tolist()):
+        s = state[slot:slot + 1]
+        for t in range(int(starts[n]), int(starts[n + 1])):
+            o[t:t + 1], s = gated_delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1],
+                                             g[t:t + 1], beta[t:t + 1], s)
+        state[slot] = s[0]
+    return o
+
+
+def step_runs(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule`'s (starts int64 [N + 1], slots int64 [N]) of a step: each decode
+    token a run of one, then each prefill chunk, in the step's token order."""
+    starts, slots = [0], []
+    dec = batch.decode
+    if dec is not None:
+        starts += range(1, dec.num_seqs + 1)
+        slots += dec.state_slots.tolist()
+    for chunk in batch.prefills:
+        starts.append(chunk.start + chunk.length)
+        slots.append(chunk.state_slot)
+    return torch.tensor(starts, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -295,12 +312,12 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 class DeltaNetWeights:
     """One Gated DeltaNet layer's weights (serving dtype unless noted)."""
 
-    in_proj: torch.Tensor  # [conv_dim + Hv*Dv + 2 Hv, hidden]: qkv | z | b | a
+    in_proj: Linear  # [conv_dim + Hv*Dv + 2 Hv, hidden]: qkv | z | b | a
     conv: torch.Tensor  # [conv_dim, K]
     neg_a: torch.Tensor  # [Hv] float32, -exp(A_log)
     dt_bias: torch.Tensor  # [Hv] float32
     norm: torch.Tensor  # [Dv]
-    out_proj: torch.Tensor  # [hidden, Hv*Dv]
+    out_proj: Linear  # [hidden, Hv*Dv]
 
 
 def load_delta_net(w: Callable[[str], torch.Tensor], prefix: str,
@@ -313,12 +330,12 @@ def load_delta_net(w: Callable[[str], torch.Tensor], prefix: str,
         in_proj = torch.cat([w(prefix + "in_proj_qkv.weight"), w(prefix + "in_proj_z.weight"),
                              w(prefix + "in_proj_b.weight"), w(prefix + "in_proj_a.weight")])
     return DeltaNetWeights(
-        in_proj=in_proj,
+        in_proj=linear(in_proj),
         conv=w(prefix + "conv1d.weight").squeeze(1),
         neg_a=-w(prefix + "A_log").float().exp(),
         dt_bias=w(prefix + "dt_bias").float(),
         norm=w(prefix + "norm.weight"),
-        out_proj=w(prefix + "out_proj.weight"))
+        out_proj=linear(w(prefix + "out_proj.weight")))
 
 
 def load_gated_attention(w: Callable[[str], torch.Tensor], prefix: str, bias: bool,
@@ -326,11 +343,10 @@ def load_gated_attention(w: Callable[[str], torch.Tensor], prefix: str, bias: bo
     """A gated full-attention layer's weights from Qwen3.5's names under `prefix`
     (`model.layers.N.self_attn.`; q_proj yields query and gate per head)."""
     return AttentionWeights(
-        qkv=torch.cat([w(prefix + f"{n}_proj.weight") for n in "qkv"]),
-        qkv_bias=torch.cat([w(prefix + f"{n}_proj.bias") for n in "qkv"]) if bias else None,
+        qkv=linear(torch.cat([w(prefix + f"{n}_proj.weight") for n in "qkv"]),
+                   torch.cat([w(prefix + f"{n}_proj.bias") for n in "qkv"]) if bias else None),
         q_norm=w(prefix + "q_norm.weight"), k_norm=w(prefix + "k_norm.weight"),
-        o_proj=w(prefix + "o_proj.weight"),
-        o_bias=w(prefix + "o_proj.bias") if bias else None,
+        o_proj=linear(w(prefix + "o_proj.weight"), w(prefix + "o_proj.bias") if bias else None),
         kv_index=kv_index, gated=True)
 
 
@@ -392,9 +408,8 @@ class Qwen3_5Model(HybridDecoder):
     def _load_mlp(self, w: Callable[[str], torch.Tensor], prefix: str,
                   layer: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """Model layer `layer`'s MLP under `prefix` (`model.layers.N.mlp.`): dense SwiGLU."""
-        return SwiGLU(gate_up=torch.cat([w(prefix + "gate_proj.weight"),
-                                         w(prefix + "up_proj.weight")]),
-                      down=w(prefix + "down_proj.weight"))
+        return SwiGLU.of(w(prefix + "gate_proj.weight"), w(prefix + "up_proj.weight"),
+                         w(prefix + "down_proj.weight"))
 
     def _mix(self, y: torch.Tensor, m: DeltaNetWeights, layer: int, batch: AttentionBatch,
              states: StateSlotPool) -> torch.Tensor:
@@ -404,28 +419,17 @@ class Qwen3_5Model(HybridDecoder):
         hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         t = y.shape[0]
-        mixed, z, b, a = F.linear(y, m.in_proj).split([c.conv_dim, hv * dv, hv, hv], dim=-1)
-        mixed = F.silu(causal_conv(mixed, m.conv, None, batch, states.conv[layer]))
+        mixed, z, b, a = m.in_proj(y).split([c.conv_dim, hv * dv, hv, hv], dim=-1)
+        mixed = silu(causal_conv(mixed, m.conv, None, batch, states.conv[layer]))
         q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        # each q/k head serves hv/hk consecutive value heads
-        q = _l2norm(q.view(t, hk, dk).float()).repeat_interleave(hv // hk, dim=1) * dk ** -0.5
-        k = _l2norm(k.view(t, hk, dk).float()).repeat_interleave(hv // hk, dim=1)
-        v = v.view(t, hv, dv).float()
-        beta = b.sigmoid().float()  # [T, Hv]
-        g = m.neg_a * F.softplus(a.float() + m.dt_bias)  # [T, Hv] log decay, <= 0
-        rec = states.recurrent[layer]  # [slots, Hv, Dk, Dv]
-        o = torch.empty(t, hv, dv, dtype=torch.float32, device=y.device)
-        dec = batch.decode
-        if dec is not None:
-            nb, slots = dec.num_seqs, dec.state_slots
-            o[:nb], new = gated_delta_step(q[:nb], k[:nb], v[:nb], g[:nb], beta[:nb],
-                                           rec[slots].float())
-            rec.index_copy_(0, slots, new.to(rec.dtype))
-        for chunk in batch.prefills:
-            s, n, slot = chunk.start, chunk.length, chunk.state_slot
-            o[s:s + n], new = gated_delta_chunked(q[s:s + n], k[s:s + n], v[s:s + n],
-                                                  g[s:s + n], beta[s:s + n], rec[slot].float())
-            rec[slot].copy_(new)
+        q = _l2norm(q.reshape(t, hk, dk).float()) * dk ** -0.5  # [T, Hk, Dk]
+        k = _l2norm(k.reshape(t, hk, dk).float())
+        v = v.reshape(t, hv, dv).float()
+        beta = sigmoid(b.float())  # [T, Hv]
+        g = m.neg_a * softplus(a.float() + m.dt_bias)  # [T, Hv] log decay, <= 0
+        starts, slots = step_runs(batch)
+        o = gated_delta_rule(q, k, v, g, beta, states.recurrent[layer], starts, slots,
+                             self.recurrent_ops)  # [T, Hv, Dv]
         # gated RMSNorm per value head: norm (weight in the serving dtype), then silu(z)
-        o = rms_norm(o.to(y.dtype), m.norm, c.rms_norm_eps) * F.silu(z.view(t, hv, dv).float())
-        return F.linear(o.to(y.dtype).reshape(t, hv * dv), m.out_proj)
+        o = rms_norm(o.to(y.dtype), m.norm, c.rms_norm_eps) * silu(z.reshape(t, hv, dv).float())
+        return m.out_proj(o.to(y.dtype).reshape(t, hv * dv))

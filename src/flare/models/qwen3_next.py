@@ -16,6 +16,11 @@ two differences, both handled here at load or in the MLP:
 Weights load in the hub's naming (`mlp.experts.E.gate_proj.weight`, ...), which is also
 what transformers' `save_pretrained` writes; the multi-token-prediction head (`mtp.*`) is
 dropped as for Qwen3.5. State layout and per-sequence state are Qwen3.5's.
+
+Exact by default, as Qwen3.5: the router, every expert and the shared expert are
+row-invariant `flare.models.quant.Linear`s built at load, and each token's expert outputs
+are summed in ascending expert order whatever other tokens the step holds, so a token's
+result does not depend on the batch or the chunking.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
-import torch.nn.functional as F
-
-from flare.models.hybrid_decoder import SwiGLU
+from flare.models.hybrid_common import sigmoid
+from flare.models.hybrid_decoder import SwiGLU, linear
+from flare.models.quant import Linear
 from flare.models.qwen3_5 import (LINEAR, DeltaNetWeights, Qwen3_5Config, Qwen3_5Model,
                                   load_delta_net, state_layout)
 from flare.models.qwen3_5 import expected_tensor_names as _qwen3_5_names
@@ -126,25 +131,23 @@ class SparseMoE:
     """Qwen3-Next's sparse MoE MLP.
 
     Attributes:
-        router: [E, hidden] (`mlp.gate.weight`).
-        gate_up: [E, 2 I, hidden], each expert's gate rows then up rows.
-        down: [E, hidden, I].
+        router: weight [E, hidden] (`mlp.gate.weight`).
+        experts: the E experts (dense SwiGLUs: gate_up [2 I, hidden], down [hidden, I]).
         top_k: experts per token; norm_topk_prob: renormalise their weights to sum 1.
-        shared: the shared expert (dense SwiGLU); shared_gate: [1, hidden].
+        shared: the shared expert (dense SwiGLU); shared_gate: weight [1, hidden].
     """
 
-    router: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    router: Linear
+    experts: list[SwiGLU]
     top_k: int
     norm_topk_prob: bool
     shared: SwiGLU
-    shared_gate: torch.Tensor
+    shared_gate: Linear
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normalized inputs -> [T, hidden], dtype of `y`. Each token's expert
         outputs are summed in expert order, then the gated shared expert is added."""
-        probs = F.linear(y, self.router).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        probs = self.router(y).softmax(dim=-1, dtype=torch.float32)  # [T, E]
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k] each
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -152,10 +155,9 @@ class SparseMoE:
         out = torch.zeros_like(y)
         for e in experts.unique().tolist():  # ascending
             tok, slot = (experts == e).nonzero(as_tuple=True)
-            gate, up = F.linear(y[tok], self.gate_up[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, self.down[e]) * weights[tok, slot, None]
+            h = self.experts[e](y[tok]) * weights[tok, slot, None]
             out.index_add_(0, tok, h)
-        return out + torch.sigmoid(F.linear(y, self.shared_gate)) * self.shared(y)
+        return out + sigmoid(self.shared_gate(y)) * self.shared(y)
 
 
 class Qwen3NextModel(Qwen3_5Model):
@@ -165,7 +167,7 @@ class Qwen3NextModel(Qwen3_5Model):
     Args:
         config: model hyper-parameters.
         tensors: `Qwen3NextForCausalLM`-named weights in the serving dtype, on the serving
-            device (experts are stacked into new tensors at load).
+            device (each expert's gate and up rows are joined into one new tensor at load).
         max_positions: size of the RoPE table (the plan's max sequence length).
 
     Raises:
@@ -187,14 +189,12 @@ class Qwen3NextModel(Qwen3_5Model):
             return super()._load_mlp(w, prefix, layer)
 
         def swiglu(p: str) -> SwiGLU:
-            return SwiGLU(gate_up=torch.cat([w(p + "gate_proj.weight"), w(p + "up_proj.weight")]),
-                          down=w(p + "down_proj.weight"))
+            return SwiGLU.of(w(p + "gate_proj.weight"), w(p + "up_proj.weight"),
+                             w(p + "down_proj.weight"))
 
-        experts = [swiglu(f"{prefix}experts.{e}.") for e in range(c.num_experts)]
         return SparseMoE(
-            router=w(prefix + "gate.weight"),
-            gate_up=torch.stack([x.gate_up for x in experts]),
-            down=torch.stack([x.down for x in experts]),
+            router=linear(w(prefix + "gate.weight")),
+            experts=[swiglu(f"{prefix}experts.{e}.") for e in range(c.num_experts)],
             top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
             shared=swiglu(prefix + "shared_expert."),
-            shared_gate=w(prefix + "shared_expert_gate.weight"))
+            shared_gate=linear(w(prefix + "shared_expert_gate.weight")))

@@ -43,7 +43,7 @@ import torch
 from flare.cache_dir import default_cache_dir
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp",
-                                                     "dense.cpp", "recurrent.cpp")]
+                                                 "attention.cpp", "recurrent.cpp", "dense.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # included by the sources
 # -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp

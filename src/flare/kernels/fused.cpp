@@ -18,19 +18,14 @@
 //       torch path does: bit for bit without qk_norm), k written to k_cache[slots[t]],
 //       the raw v to v_cache[slots[t]]; q returned
 //   silu_mul(gu [T, 2F]) -> y [T, F] = silu(gu[:, :F]) * gu[:, F:]
-//   decode_attention(q [H, D], k_cache [S, KVH, D], v_cache [S, KVH, D], start, length,
-//                    scale) -> o [H, D]
-//       one query token over cache slots [start, start + length): softmax(q K^T * scale) V
-//       in fp32, query head h reading KV head h / (H / KVH) (GQA)
-//   decode_attention_gather(q [B, H, D], k_cache, v_cache, gather int64 [B, M],
-//                           lengths int64 [B], scale) -> o [B, H, D]
-//       the same for B sequences, sequence b over slots gather[b, :lengths[b]]
+//
+// Attention over the KV cache lives in attention.cpp (one routine for decode and prefill).
 //
 // Rows are split over torch's intra-op pool with at::parallel_for only when there are
 // many (prefill); the grain keeps a handful of rows, and so decode, on the calling
 // thread (a thread handoff costs more than the work). exp is a vectorized polynomial
-// (Cephes' expf coefficients, range-reduced by ln 2; ~1 ulp), so silu and softmax differ
-// from torch's in the last bits only.
+// (simd.h: Cephes' expf coefficients, range-reduced by ln 2; ~1 ulp), so silu differs from
+// torch's in the last bits only.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -47,47 +42,9 @@ namespace {
 
 constexpr int64_t ROW_GRAIN = 16;  // rows per task: fewer rows run on the calling thread
 
-using flare_simd::dot;
+using flare_simd::exp1;
+using flare_simd::exp8;
 using flare_simd::hsum;
-
-inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// exp(x) for 8 floats, x clamped to [-87.3, 88.7]: x = n ln2 + r, |r| <= ln2/2,
-// exp(r) by a degree-6 polynomial, times 2^n built in the exponent bits.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 r2 = _mm256_mul_ps(r, r);
-  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n: n in [-126, 128]; split so 2^n never overflows the exponent field
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i h = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-inline float exp1(float x) {
-  alignas(32) float buf[8];
-  _mm256_store_ps(buf, exp8(_mm256_set1_ps(x)));
-  return buf[0];
-}
 
 inline float sum_squares(const float* x, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -303,177 +260,6 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
   return y;
 }
 
-// 8 vectors -> one vector of their 8 horizontal sums
-inline __m256 hsum8x8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                       _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-// p[j] = scale * q . k(j) for keys j in [0, M); key j's row at k + slot(j) * stride
-template <typename Slot>
-void scores(const float* q, const float* k, int64_t stride, Slot slot, int64_t M, int64_t D,
-            float sc, float* p) {
-  const __m256 scv = _mm256_set1_ps(sc);
-  int64_t j = 0;
-  if (D % 8 == 0) {
-    for (; j + 8 <= M; j += 8) {
-      __m256 a[8];
-      const float* kr[8];
-      for (int r = 0; r < 8; ++r) {
-        a[r] = _mm256_setzero_ps();
-        kr[r] = k + slot(j + r) * stride;
-      }
-      for (int64_t i = 0; i < D; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int r = 0; r < 8; ++r)
-          a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[r] + i), a[r]);
-      }
-      _mm256_storeu_ps(p + j, _mm256_mul_ps(hsum8x8(a), scv));
-    }
-  }
-  for (; j < M; ++j) {
-    p[j] = dot(q, k + slot(j) * stride, D) * sc;
-  }
-}
-
-// o[D] = sum_j p[j] v(j), the accumulator in registers (ND = D / 8 vectors)
-template <int ND, typename Slot>
-void weighted_sum(const float* p, const float* v, int64_t stride, Slot slot, int64_t M,
-                  float* o) {
-  __m256 acc[ND];
-  for (int i = 0; i < ND; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < M; ++j) {
-    const __m256 pv = _mm256_set1_ps(p[j]);
-    const float* vr = v + slot(j) * stride;
-    for (int i = 0; i < ND; ++i)
-      acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-  }
-  for (int i = 0; i < ND; ++i) _mm256_storeu_ps(o + 8 * i, acc[i]);
-}
-
-template <typename Slot>
-void weighted_sum_any(const float* p, const float* v, int64_t stride, Slot slot, int64_t M,
-                      int64_t D, float* o) {
-  switch (D) {
-    case 64: return weighted_sum<8>(p, v, stride, slot, M, o);
-    case 128: return weighted_sum<16>(p, v, stride, slot, M, o);
-    case 32: return weighted_sum<4>(p, v, stride, slot, M, o);
-    default: break;
-  }
-  for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
-  for (int64_t j = 0; j < M; ++j)
-    for (int64_t i = 0; i < D; ++i) o[i] += p[j] * v[slot(j) * stride + i];
-}
-
-// One query head q [D] over M keys of one KV head: o [D] = softmax(q K^T * sc) V, where
-// key j is row slot(j) of k / v (row stride `stride` floats). pr: scratch of >= M + 7.
-template <typename Slot>
-void attend_head(const float* q, const float* k, const float* v, int64_t stride, Slot slot,
-                 int64_t M, int64_t D, float sc, float* pr, float* o) {
-  const int64_t Mp = (M + 7) / 8 * 8;
-  scores(q, k, stride, slot, M, D, sc, pr);
-  float mx = -INFINITY;  // softmax in place; the padding lanes end as 0
-  for (int64_t j = 0; j < M; ++j) mx = std::max(mx, pr[j]);
-  bool finite = std::isfinite(mx);  // std::max and exp8's clamps drop NaN: check them here
-  for (int64_t j = 0; j < M && finite; ++j) finite = !std::isnan(pr[j]);
-  if (!finite) {  // a NaN or infinite score: the output is NaN, as SDPA's
-    for (int64_t i = 0; i < D; ++i) o[i] = NAN;
-    return;
-  }
-  for (int64_t j = M; j < Mp; ++j) pr[j] = mx;
-  const __m256 mv = _mm256_set1_ps(mx);
-  for (int64_t j = 0; j < Mp; j += 8)
-    _mm256_storeu_ps(pr + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(pr + j), mv)));
-  for (int64_t j = M; j < Mp; ++j) pr[j] = 0.f;
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < Mp; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(pr + j));
-  const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
-  for (int64_t j = 0; j < Mp; j += 8)
-    _mm256_storeu_ps(pr + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j), inv));
-  weighted_sum_any(pr, v, stride, slot, M, D, o);
-}
-
-void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
-                  const torch::Tensor& v_cache) {
-  check_f32(k_cache, "k_cache", 3);
-  check_f32(v_cache, "v_cache", 3);
-  const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
-              "k_cache and v_cache must be [S, KVH, D] with q's D");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "H (", H, ") must be a multiple of KVH (", KVH,
-              ") > 0");
-}
-
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                               const torch::Tensor& v_cache, int64_t start, int64_t length,
-                               double scale) {
-  check_f32(q, "q", 2);
-  check_caches(q, k_cache, v_cache);
-  const int64_t H = q.size(0), D = q.size(1), KVH = k_cache.size(1), S = k_cache.size(0);
-  TORCH_CHECK(length > 0 && start >= 0 && start <= S - length,
-              "slots [", start, ", ", start + length, ") outside the cache [0, ", S, ")");
-  const int64_t G = H / KVH;
-  auto o = torch::empty({H, D}, q.options());
-  const float* qd = q.data_ptr<float>();
-  const float* kd = k_cache.data_ptr<float>();
-  const float* vd = v_cache.data_ptr<float>();
-  float* od = o.data_ptr<float>();
-  std::vector<float> pbuf(length + 7);
-  const auto slot = [start](int64_t j) { return start + j; };
-  for (int64_t hh = 0; hh < H; ++hh) {
-    const int64_t kh = hh / G;
-    attend_head(qd + hh * D, kd + kh * D, vd + kh * D, KVH * D, slot, length, D,
-                static_cast<float>(scale), pbuf.data(), od + hh * D);
-  }
-  return o;
-}
-
-// B sequences' one query token each, over gathered cache slots: sequence b attends to
-// slots gather[b, 0 .. lengths[b]). Work is split over (sequence, KV head) pairs.
-torch::Tensor decode_attention_gather(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                      const torch::Tensor& v_cache,
-                                      const torch::Tensor& gather,
-                                      const torch::Tensor& lengths, double scale) {
-  check_f32(q, "q", 3);
-  check_caches(q, k_cache, v_cache);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  const int64_t S = k_cache.size(0);
-  TORCH_CHECK(gather.dim() == 2 && gather.size(0) == B && gather.is_contiguous() &&
-                  gather.scalar_type() == torch::kInt64, "gather must be int64 [B, M]");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.is_contiguous() &&
-                  lengths.scalar_type() == torch::kInt64, "lengths must be int64 [B]");
-  const int64_t M = gather.size(1), G = H / KVH;
-  const int64_t* gd = gather.data_ptr<int64_t>();
-  const int64_t* ld = lengths.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ld[b] >= 1 && ld[b] <= M, "lengths[", b, "] = ", ld[b], " outside [1, ", M,
-                "]");
-    for (int64_t j = 0; j < ld[b]; ++j)
-      TORCH_CHECK(gd[b * M + j] >= 0 && gd[b * M + j] < S, "gather[", b, ", ", j, "] = ",
-                  gd[b * M + j], " outside the cache [0, ", S, ")");
-  }
-  auto o = torch::empty({B, H, D}, q.options());
-  const float* qd = q.data_ptr<float>();
-  const float* kd = k_cache.data_ptr<float>();
-  const float* vd = v_cache.data_ptr<float>();
-  float* od = o.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> pbuf(M + 7);
-    for (int64_t w = w0; w < w1; ++w) {
-      const int64_t b = w / KVH, kh = w % KVH;
-      const int64_t* rows = gd + b * M;
-      const auto slot = [rows](int64_t j) { return rows[j]; };
-      for (int64_t hh = kh * G; hh < (kh + 1) * G; ++hh)
-        attend_head(qd + (b * H + hh) * D, kd + kh * D, vd + kh * D, KVH * D, slot, ld[b], D,
-                    sc, pbuf.data(), od + (b * H + hh) * D);
-    }
-  });
-  return o;
-}
-
 }  // namespace
 
 void flare_register_fused(pybind11::module_& m) {
@@ -490,13 +276,4 @@ void flare_register_fused(pybind11::module_& m) {
         pybind11::arg("qk_norm") = pybind11::none(), pybind11::arg("eps") = 1e-6);
   m.def("silu_mul", &silu_mul, "y[T, F] = silu(gu[:, :F]) * gu[:, F:], float32",
         pybind11::arg("gu"));
-  m.def("decode_attention_gather", &decode_attention_gather,
-        "o[B, H, D]: row b = softmax(q[b] K^T * scale) V over cache slots "
-        "gather[b, :lengths[b]], GQA",
-        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("gather"), pybind11::arg("lengths"), pybind11::arg("scale"));
-  m.def("decode_attention", &decode_attention,
-        "o[H, D] = softmax(q K^T * scale) V over cache slots [start, start + length), GQA",
-        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("start"), pybind11::arg("length"), pybind11::arg("scale"));
 }

@@ -240,8 +240,9 @@ torch::Tensor q4_dequantize(const torch::Tensor& codes, const torch::Tensor& sca
 
 void flare_register_fused(pybind11::module_& m);  // fused.cpp
 void flare_register_qdot8(pybind11::module_& m);  // qdot8.cpp
-void flare_register_recurrent(pybind11::module_& m);  // recurrent.cpp
 void flare_register_dense(pybind11::module_& m);  // dense.cpp
+void flare_register_attention(pybind11::module_& m);  // attention.cpp
+void flare_register_recurrent(pybind11::module_& m);  // recurrent.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Flare block-quantized (q4, q8) and row-invariant dense (f16, f32) weight GEMMs "
@@ -252,6 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_dequantize_into", &q4_dequantize_into, "as q4_dequantize, into out [N, K]");
   flare_register_qdot8(m);  // q4x8_linear, q8x8_linear, quantize_rows_q8
   flare_register_dense(m);  // dense_pack, f16_linear, f32_linear
-  flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention
+  flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul
+  flare_register_attention(m);  // cached_attention, decode_attention(_gather)
   flare_register_recurrent(m);  // gated_delta_rule
 }

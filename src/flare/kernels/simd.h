@@ -1,4 +1,4 @@
-// AVX2/FMA helpers shared by Flare's kernel sources (qgemm.cpp, fused.cpp).
+// AVX2/FMA helpers shared by Flare's kernel sources (qgemm.cpp, fused.cpp, attention.cpp).
 #pragma once
 
 #include <immintrin.h>
@@ -24,6 +24,55 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) for 8 floats, x clamped to [-87.3, 88.7]: x = n ln2 + r, |r| <= ln2/2,
+// exp(r) by a degree-6 polynomial, times 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n: n in [-126, 128]; split so 2^n never overflows the exponent field
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i h = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+inline float exp1(float x) {
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, exp8(_mm256_set1_ps(x)));
+  return buf[0];
+}
+
+// 8 vectors -> one vector of their 8 horizontal sums. Lane i is
+// ((a[i]_0 + a[i]_1) + (a[i]_2 + a[i]_3)) + ((a[i]_4 + a[i]_5) + (a[i]_6 + a[i]_7)) for
+// every i: the same tree whichever vectors sit beside a[i] (attention.cpp relies on it).
+inline __m256 hsum8x8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                       _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
 }  // namespace flare_simd

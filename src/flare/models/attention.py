@@ -1,5 +1,9 @@
 """Attention over a paged KV cache, for a batch that mixes decode tokens and prefill chunks.
 
+Exactness: with Flare's kernel module (`ops`), every query row, decode token or prefill
+row, runs one routine whose reduction order depends only on the row's own key count, so
+a token's attention output never depends on chunking, reuse or batch composition.
+
 The engine lays the step's tokens out as `[decode tokens..., prefill chunk 1..., chunk 2...]`
 and describes where each group reads its keys from with `AttentionBatch`. The recipe calls
 `paged_attention` once per layer after writing the step's K/V into the cache.
@@ -89,17 +93,22 @@ def paged_attention(
         batch: token layout and gather indices.
         scale: softmax scale (1/sqrt(D) for these recipes).
         ops: Flare's fused-op kernel module (`flare.kernels.fused_ops`), or None. When
-            given, with float32 q and cache, the decode group runs in the module (plain
-            fp32 softmax(q K^T * scale) V, reading K/V rows in place, no gather copy):
-            one unmasked sequence in consecutive slots (`DecodeGroup.span`) as
-            `decode_attention`, any group with `lengths` as `decode_attention_gather`.
-            Everything else runs SDPA as without it.
+            given, with float32 q and cache, every row runs the module's one fixed-order
+            attention routine (kernels/attention.cpp), reading K/V rows in place: the
+            decode group as `decode_attention` (one unmasked sequence in consecutive
+            slots, `DecodeGroup.span`) or `decode_attention_gather` (any group with
+            `lengths`), each prefill chunk as `cached_attention`. A row's output is then a
+            function of its query and its keys only, bit for bit: the same in one prefill,
+            in any chunking, after a reuse at any position, and beside any other rows.
+            Without it (or in another dtype) decode and prefill run SDPA, whose
+            summation order depends on the chunk: close, not bit-identical.
 
     Returns:
         [T, H, D] attention output, same dtype as `q`, possibly not contiguous. H must be
         a multiple of KVH (GQA).
     """
     dec = batch.decode
+    fused = ops is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
     # a single group covers every token of the step: its output is the result, returned
     # as it comes (possibly strided), without a copy into `out`
     out = torch.empty_like(q) if len(batch.prefills) + (dec is not None) > 1 else None
@@ -107,8 +116,6 @@ def paged_attention(
         b = dec.num_seqs
         m = dec.gather.shape[-1]
         kvh, d = k_cache.shape[1], q.shape[-1]
-        fused = (ops is not None and q.dtype == torch.float32
-                 and k_cache.dtype == torch.float32)
         if fused and dec.span is not None and dec.mask is None and b == 1:
             o = ops.decode_attention(q[0].contiguous(), k_cache, v_cache, dec.span, m,
                                      scale).unsqueeze(0)  # [1, H, D]
@@ -134,6 +141,15 @@ def paged_attention(
         out[:b] = o
     for chunk in batch.prefills:
         s, t = chunk.start, chunk.length
+        if fused:  # the decode rows' routine, row by row over the same key order
+            ctx = chunk.gather.shape[0]
+            o = ops.cached_attention(q[s:s + t].contiguous(), k_cache, v_cache,
+                                     chunk.gather.reshape(1, ctx).contiguous(),
+                                     torch.tensor([ctx]), t, scale)  # [t, H, D]
+            if out is None:
+                return o
+            out[s:s + t] = o
+            continue
         k = k_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)  # [1,KVH,ctx,D]
         v = v_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)
         qp = q[s:s + t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]

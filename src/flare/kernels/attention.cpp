@@ -1,0 +1,358 @@
+// Attention over a paged KV cache (float32, CPU, AVX2/FMA): ONE routine for every query
+// row, decode token or prefill row alike, so a row's output never depends on how its
+// prompt was chunked, where a reuse started, or which rows ran beside it.
+//
+//   cached_attention(q [T, H, D], k_cache [S, KVH, D], v_cache [S, KVH, D],
+//                    gather int64 [B, M], lengths int64 [B], rows_per_seq R, scale)
+//       -> o [T, H, D], T = B * R
+//     Sequence b owns query rows q[b*R : (b+1)*R]; its keys are the cache rows
+//     gather[b, 0 .. lengths[b]) (positions 0..lengths[b]-1). Row r of it is the token at
+//     position lengths[b] - R + r and attends to positions 0 .. lengths[b] - R + r
+//     (causal). Decode is R = 1 (one token per sequence, B sequences); a prefill chunk
+//     is B = 1, R = the chunk's length. Query head h reads KV head h / (H / KVH) (GQA).
+//   decode_attention(q [H, D], k_cache, v_cache, start, length, scale) -> o [H, D]
+//     one decode token over the consecutive slots [start, start + length)
+//   decode_attention_gather(q [B, H, D], k_cache, v_cache, gather [B, M], lengths [B],
+//                           scale) -> o [B, H, D]
+//     cached_attention with R = 1
+//
+// The arithmetic of one row (query q, n keys), the invariant every path keeps:
+//   s_j = tree_sum(lanes of the 8-lane FMA chain q[i..i+8) * k_j[i..i+8) over i) * scale
+//         (D a multiple of 8; simd.h's hsum8x8 tree, the same whichever (row, key) pairs
+//         share its call), else a scalar chain over i;
+//   m = max_j s_j;  e_j = exp8(s_j - m);  z = tree_sum(8 lanes, lane l summing e_j for
+//   j = l mod 8 in order of j);
+//   o[d] = (the FMA chain e_0 v_0[d], e_1 v_1[d], ... in order of j, from 0) * (1 / z).
+// Nothing in it depends on which other rows share a tile, how the keys are blocked, or
+// how work is split over threads; tiles only share loads: many query rows of one KV head
+// (several positions x the heads of a GQA group) read each block of KEY_BLOCK keys once
+// while it is in L1. Partial sums are stored to memory between key blocks, which is
+// exact. A NaN or infinite score makes the row NaN, as SDPA does.
+//
+// Compiled with -ffp-contract=off (kernels/__init__.py), so no compiler-chosen FMA
+// changes one path's rounding and not another's.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using flare_simd::exp8;
+using flare_simd::hsum;
+using flare_simd::hsum8x8;
+
+constexpr int64_t KEY_BLOCK = 64;  // keys per block: 64 x D=64 floats of K or V = 16 KB
+constexpr int MAX_TILE_ROWS = 48;  // query rows sharing each key block
+constexpr int64_t PARALLEL_MIN_WORK = 16384;  // (query row, key) pairs worth two threads
+
+// A tile: up to MAX_TILE_ROWS query rows over one KV head's keys, row r attending keys
+// [0, n[r]). `p` holds each row's scores, then probabilities (stride `pstride`).
+struct Tile {
+  int rows = 0;
+  const float* q[MAX_TILE_ROWS];
+  float* o[MAX_TILE_ROWS];
+  int64_t n[MAX_TILE_ROWS];
+};
+
+// scores of rows a, b (b may equal a) for the 4 keys at slots ks[0..3] into pa, pb
+inline void scores_2x4(const float* qa, const float* qb, const float* const* ks, int64_t D,
+                       __m256 scv, float* pa, float* pb) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 x = _mm256_loadu_ps(qa + i), y = _mm256_loadu_ps(qb + i);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 kv = _mm256_loadu_ps(ks[c] + i);
+      acc[c] = _mm256_fmadd_ps(x, kv, acc[c]);
+      acc[4 + c] = _mm256_fmadd_ps(y, kv, acc[4 + c]);
+    }
+  }
+  alignas(32) float s[8];
+  _mm256_store_ps(s, _mm256_mul_ps(hsum8x8(acc), scv));
+  for (int c = 0; c < 4; ++c) {
+    pa[c] = s[c];
+    pb[c] = s[4 + c];
+  }
+}
+
+// the scalar form for D not a multiple of 8 (one order, used by every path alike)
+inline float score_scalar(const float* q, const float* k, int64_t D, float sc) {
+  float s = 0.f;
+  for (int64_t i = 0; i < D; ++i) s = s + q[i] * k[i];
+  return s * sc;
+}
+
+// p[0..n) <- exp(p - max p) in place (p has room for n rounded up to 8); returns
+// 1 / sum, or NaN when a score is NaN or the max is not finite (the row is then NaN)
+inline float softmax_numerators(float* p, int64_t n) {
+  const int64_t np = (n + 7) / 8 * 8;
+  for (int64_t j = n; j < np; ++j) p[j] = -INFINITY;
+  __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  for (int64_t j = 0; j < np; j += 8) {  // max is exact in any order
+    const __m256 x = _mm256_loadu_ps(p + j);
+    vmax = _mm256_max_ps(vmax, x);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  const float mx = flare_simd::hmax8(vmax);
+  if (_mm256_movemask_ps(nan) != 0 || !std::isfinite(mx)) return NAN;
+  const __m256 mv = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();  // lane l sums j = l mod 8 in order of j
+  for (int64_t j = 0; j < np; j += 8) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+    if (j + 8 > n)  // the padding lanes: exp8 clamps -inf to a tiny number, drop it
+      e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+          _mm256_set1_epi32(static_cast<int>(n - j)),
+          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+    _mm256_storeu_ps(p + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return 1.0f / hsum(sum);
+}
+
+// o_r[d0 .. d0 + 8 NV) += sum_{j in [j0, j1)} p_r[j] v_j, for NR rows, in order of j
+template <int NR, int NV, typename Slot>
+inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const float* v,
+                    int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+  __m256 acc[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_loadu_ps(o[r] + d0 + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vr = v + slot(j) * stride + d0;
+    __m256 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 pv = _mm256_set1_ps(p[r][j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(pv, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+}
+
+template <int NR, typename Slot>
+inline void pv_rows(const float* const* p, float* const* o, int64_t D, const float* v,
+                    int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) pv_tile<NR, 4>(p, o, d0, v, stride, slot, j0, j1);
+  switch ((D - d0) / 8) {
+    case 3: pv_tile<NR, 3>(p, o, d0, v, stride, slot, j0, j1); break;
+    case 2: pv_tile<NR, 2>(p, o, d0, v, stride, slot, j0, j1); break;
+    case 1: pv_tile<NR, 1>(p, o, d0, v, stride, slot, j0, j1); break;
+    default: break;
+  }
+}
+
+// Attention of a tile's rows over one KV head whose key j is row slot(j) of k / v (row
+// stride `stride` floats). Scratch `p`: rows x pstride floats, pstride >= max n + 8.
+template <typename Slot>
+void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, Slot slot,
+                 int64_t D, float sc, float* p, int64_t pstride) {
+  int64_t nmax = 0;
+  for (int r = 0; r < t.rows; ++r) nmax = std::max(nmax, t.n[r]);
+  const bool vec = D % 8 == 0;
+  const __m256 scv = _mm256_set1_ps(sc);
+  float* pr[MAX_TILE_ROWS];
+  for (int r = 0; r < t.rows; ++r) pr[r] = p + r * pstride;
+  // 1. scores, a key block at a time; rows past their own n compute (unused) extra
+  // scores up to nmax; keys past nmax read slot(nmax - 1) (a valid row) and are dropped
+  for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
+    const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
+    for (int64_t j = j0; j < j1; j += 4) {
+      const float* ks[4];
+      for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
+      if (vec) {
+        for (int r = 0; r < t.rows; r += 2) {
+          const int rb = r + 1 < t.rows ? r + 1 : r;
+          scores_2x4(t.q[r], t.q[rb], ks, D, scv, pr[r] + j, pr[rb] + j);
+        }
+      } else {
+        for (int r = 0; r < t.rows; ++r)
+          for (int c = 0; c < 4; ++c) pr[r][j + c] = score_scalar(t.q[r], ks[c], D, sc);
+      }
+    }
+  }
+  // 2. softmax numerators per row over its own n; the normalization is applied last
+  float inv[MAX_TILE_ROWS];
+  for (int r = 0; r < t.rows; ++r) inv[r] = softmax_numerators(pr[r], t.n[r]);
+  // 3. o = (E V) / sum(E), a key block at a time: rows in threes over the keys all three see, then
+  // each row alone over the rest of its keys in the block
+  for (int r = 0; r < t.rows; ++r) std::fill(t.o[r], t.o[r] + D, 0.f);
+  if (vec) {
+    for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
+      const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
+      int r = 0;
+      for (; r + 3 <= t.rows; r += 3) {
+        const int64_t common = std::min({j1, t.n[r], t.n[r + 1], t.n[r + 2]});
+        if (common > j0) pv_rows<3>(pr + r, t.o + r, D, v, stride, slot, j0, common);
+        for (int i = r; i < r + 3; ++i) {
+          const int64_t a = std::max(j0, common), b = std::min(j1, t.n[i]);
+          if (b > a) pv_rows<1>(pr + i, t.o + i, D, v, stride, slot, a, b);
+        }
+      }
+      for (; r < t.rows; ++r) {
+        const int64_t b = std::min(j1, t.n[r]);
+        if (b > j0) pv_rows<1>(pr + r, t.o + r, D, v, stride, slot, j0, b);
+      }
+    }
+  } else {
+    for (int r = 0; r < t.rows; ++r)
+      for (int64_t j = 0; j < t.n[r]; ++j) {
+        const float* vr = v + slot(j) * stride;
+        for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] + pr[r][j] * vr[d];
+      }
+  }
+  for (int r = 0; r < t.rows; ++r) {
+    if (std::isnan(inv[r])) {
+      std::fill(t.o[r], t.o[r] + D, NAN);
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] * inv[r];
+  }
+}
+
+void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == dim &&
+                  t.is_contiguous(),
+              name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
+}
+
+void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache) {
+  check_f32(k_cache, "k_cache", 3);
+  check_f32(v_cache, "v_cache", 3);
+  const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must be [S, KVH, D] with q's D");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "H (", H, ") must be a multiple of KVH (", KVH,
+              ") > 0");
+}
+
+// The work of one call: sequences b in [0, B) with R rows each; a work item is (b, KV
+// head, a run of positions whose G query heads fill one tile).
+template <typename SlotOf>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         int64_t B, int64_t R, const int64_t* lengths, SlotOf slot_of, float sc,
+         torch::Tensor& o) {
+  const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
+  const int64_t G = H / KVH;
+  const int64_t pos_per_tile = std::max<int64_t>(1, MAX_TILE_ROWS / G);
+  const int64_t rows_per_tile = std::min<int64_t>(pos_per_tile, R);
+  const int64_t tiles_per_seq = (R + rows_per_tile - 1) / rows_per_tile;
+  const int64_t W = B * KVH * tiles_per_seq;
+  int64_t nmax = 0;
+  for (int64_t b = 0; b < B; ++b) nmax = std::max(nmax, lengths[b]);
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k_cache.data_ptr<float>();
+  const float* vd = v_cache.data_ptr<float>();
+  float* od = o.data_ptr<float>();
+  const int64_t pstride = nmax + 8;
+  const auto work = [&](int64_t w0, int64_t w1) {
+    std::vector<float> p(static_cast<size_t>(std::min<int64_t>(rows_per_tile * G,
+                                                               MAX_TILE_ROWS)) * pstride);
+    for (int64_t i = w0; i < w1; ++i) {
+      // zig-zag over the items, so the two halves a static split makes each get as many
+      // long (late) as short (early) causal rows
+      const int64_t w = i % 2 == 0 ? i / 2 : W - 1 - i / 2;
+      const int64_t b = w / (KVH * tiles_per_seq), rest = w % (KVH * tiles_per_seq);
+      const int64_t kh = rest / tiles_per_seq, ti = rest % tiles_per_seq;
+      const int64_t r0 = ti * rows_per_tile, r1 = std::min(R, r0 + rows_per_tile);
+      Tile t;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = (b * R + r) * H + kh * G + g;
+          t.q[t.rows] = qd + row * D;
+          t.o[t.rows] = od + row * D;
+          t.n[t.rows] = lengths[b] - R + r + 1;
+          ++t.rows;
+        }
+      attend_tile(t, kd + kh * D, vd + kh * D, KVH * D, slot_of(b), D, sc, p.data(),
+                  pstride);
+    }
+  };
+  // decode over a short context: less work than a thread handoff costs
+  if (W <= 1 || B * R * H * nmax < PARALLEL_MIN_WORK) work(0, W);
+  else at::parallel_for(0, W, 1, work);
+}
+
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& gather,
+                               const torch::Tensor& lengths, int64_t rows_per_seq,
+                               double scale) {
+  check_f32(q, "q", 3);
+  check_caches(q, k_cache, v_cache);
+  TORCH_CHECK(gather.dim() == 2 && gather.is_contiguous() &&
+                  gather.scalar_type() == torch::kInt64, "gather must be int64 [B, M]");
+  const int64_t B = gather.size(0), M = gather.size(1), S = k_cache.size(0);
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == B && lengths.is_contiguous() &&
+                  lengths.scalar_type() == torch::kInt64, "lengths must be int64 [B]");
+  TORCH_CHECK(rows_per_seq >= 1 && q.size(0) == B * rows_per_seq, "q has ", q.size(0),
+              " rows, expected B (", B, ") x rows_per_seq (", rows_per_seq, ")");
+  const int64_t* gd = gather.data_ptr<int64_t>();
+  const int64_t* ld = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ld[b] >= rows_per_seq && ld[b] <= M, "lengths[", b, "] = ", ld[b],
+                " outside [", rows_per_seq, ", ", M, "]");
+    for (int64_t j = 0; j < ld[b]; ++j)
+      TORCH_CHECK(gd[b * M + j] >= 0 && gd[b * M + j] < S, "gather[", b, ", ", j, "] = ",
+                  gd[b * M + j], " outside the cache [0, ", S, ")");
+  }
+  auto o = torch::empty_like(q);
+  const auto slot_of = [gd, M](int64_t b) {
+    const int64_t* rows = gd + b * M;
+    return [rows](int64_t j) { return rows[j]; };
+  };
+  run(q, k_cache, v_cache, B, rows_per_seq, ld, slot_of, static_cast<float>(scale), o);
+  return o;
+}
+
+torch::Tensor decode_attention_gather(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                      const torch::Tensor& v_cache,
+                                      const torch::Tensor& gather,
+                                      const torch::Tensor& lengths, double scale) {
+  return cached_attention(q, k_cache, v_cache, gather, lengths, 1, scale);
+}
+
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, int64_t start, int64_t length,
+                               double scale) {
+  check_f32(q, "q", 2);
+  check_caches(q, k_cache, v_cache);
+  const int64_t S = k_cache.size(0);
+  TORCH_CHECK(length > 0 && start >= 0 && start <= S - length,
+              "slots [", start, ", ", start + length, ") outside the cache [0, ", S, ")");
+  auto o = torch::empty_like(q);
+  auto q3 = q.view({1, q.size(0), q.size(1)});
+  auto o3 = o.view({1, q.size(0), q.size(1)});
+  const int64_t len[1] = {length};
+  const auto slot_of = [start](int64_t) { return [start](int64_t j) { return start + j; }; };
+  run(q3, k_cache, v_cache, 1, 1, len, slot_of, static_cast<float>(scale), o3);
+  return o;
+}
+
+}  // namespace
+
+void flare_register_attention(pybind11::module_& m) {
+  m.def("cached_attention", &cached_attention,
+        "o[T, H, D]: sequence b's rows q[b*R:(b+1)*R] over cache slots gather[b, :lengths[b]], "
+        "row r causal at position lengths[b] - R + r; one fixed-order routine, GQA",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("gather"), pybind11::arg("lengths"), pybind11::arg("rows_per_seq"),
+        pybind11::arg("scale"));
+  m.def("decode_attention_gather", &decode_attention_gather,
+        "o[B, H, D]: row b = softmax(q[b] K^T * scale) V over cache slots "
+        "gather[b, :lengths[b]], GQA (cached_attention with one row per sequence)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("gather"), pybind11::arg("lengths"), pybind11::arg("scale"));
+  m.def("decode_attention", &decode_attention,
+        "o[H, D] = softmax(q K^T * scale) V over cache slots [start, start + length), GQA",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("start"), pybind11::arg("length"), pybind11::arg("scale"));
+}

@@ -52,7 +52,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                         "0 = none; the folder is serve's --state-dir)")
     g.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8"], default=None,
                    help="weight format of the linear layers: full (serving dtype), fp16 "
-                        "(float16 weights, fbgemm GEMM; CPU, float32, Llama family), q4 "
+                        "(float16 weights, Flare's row-invariant kernel; CPU, float32, Llama "
+                        "family), q4 "
                         "(4-bit blocks, Flare's AVX2 kernel; same, on x86-64 with AVX2/FMA "
                         "and a C++ compiler) or q4x8 (q4 blocks with int8 activations, "
                         "llama.cpp's Q4_1 x Q8_1 arithmetic: the fastest decode). Default: "

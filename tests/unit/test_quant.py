@@ -16,6 +16,7 @@ from flare.models.quant import (
     check_weight_format,
     convert_tensors,
     default_weight_format,
+    fbgemm_fp16_packed_bytes,
     fp16_packed_bytes,
     serving_weight_bytes,
 )
@@ -36,10 +37,12 @@ def test_fp16_linear_is_fp32_product_of_rounded_weights(rows):
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)  # summation order only
 
 
-def test_full_linear_is_f_linear_and_bad_dtype_is_refused():
+def test_full_linear_is_the_float32_product_and_bad_dtype_is_refused():
     w = torch.randn(8, 16)
     x = torch.randn(3, 16)
-    assert torch.equal(Linear(w, None, torch.float32)(x), F.linear(x, w))
+    # Flare's row-invariant f32 kernel (summation in order), else F.linear itself
+    torch.testing.assert_close(Linear(w, None, torch.float32)(x), F.linear(x, w),
+                               rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="cannot serve"):
         Linear(w.bfloat16(), None, torch.float32)
 
@@ -67,10 +70,11 @@ def test_weight_format_applies_only_where_fbgemm_serves_it():
             check_weight_format("fp16", **kw)
 
 
-def test_packed_bytes_pad_the_input_axis_to_512():
-    assert fp16_packed_bytes(960, 576) == 1024 * 960 * 2
+def test_packed_bytes_pad_the_output_axis_to_16():
+    assert fp16_packed_bytes(960, 576) == 576 * 960 * 2  # Flare's panels: no input padding
     assert fp16_packed_bytes(576, 1536) == 1536 * 576 * 2
     assert fp16_packed_bytes(17, 512) == 512 * 32 * 2
+    assert fbgemm_fp16_packed_bytes(960, 576) == 1024 * 960 * 2  # the fallback's layout
 
 
 @pytest.mark.parametrize("fmt", ["full", "fp16", "q4"])

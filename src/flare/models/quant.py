@@ -3,21 +3,46 @@
 A format says how the 2-D weights of a dense (`llama` recipe) model are stored and
 multiplied; activations, norms, biases and the KV cache stay in the serving dtype.
 
-- `full`: every weight in the serving dtype, multiplied with `F.linear` (MKL on CPU).
+- `full`: every weight in the serving dtype. On CPU with a float32 serving dtype the 2-D
+  weights are packed at load into 16-output panels (`dense_panel_bytes`) and multiplied
+  by Flare's row-invariant float32 kernel (`f32_linear`, below); elsewhere `F.linear`.
 - `fp16`: the 2-D weights (q/k/v/o, gate/up/down, token embedding, output layer) stored
   as float16 (round to nearest even), for a float32 serving dtype. On CPU they are
-  multiplied by fbgemm's fp16 GEMM (`quantized::linear_dynamic_fp16`): fbgemm packs them
-  at load into its own float16 layout and widens them to float32 in registers, with
-  float32 accumulation. So the result is a float32 product with the float16-rounded
-  weights: what transformers computes on the same weights upcast to float32, up to
-  summation order. Decode reads half the bytes of `full`. The token embedding is looked
-  up from its float16 table and widened exactly. On other devices the weights are
-  widened to the serving dtype at load (no speed gain, same values).
+  packed at load into Flare's float16 panel layout ([ceil(out/16), in, 16], the output
+  axis padded to a multiple of 16 with zeros, no input-axis padding) and multiplied by
+  Flare's dense kernel (`flare.kernels`, dense.cpp: `f16_linear`), which widens them to
+  float32 in registers exactly (F16C) and accumulates in float32. The result is a float32
+  product with the float16-rounded weights: what transformers computes on the same
+  weights upcast to float32, up to summation order. Decode reads half the bytes of
+  `full`. The token embedding is looked up from its float16 table and widened exactly.
+  On other devices the weights are widened to the serving dtype at load (no speed gain,
+  same values).
 
-Measured on the 2-core AVX2 machine of FACTS.md, one thread, thread CPU time, one layer's
-four matmuls of the embedded model with 30 layers' weights streamed from memory (one run
-on a shared machine; medians of 5): fp32 1.22 ms at 1 token, 2.82 ms at 8, 50.8 ms at
-512; fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
+  Row invariance: the dense kernels compute every output element as one FMA chain over
+  the input axis in order from 0.0 (then + bias, one rounding), whatever the number of
+  rows in the call, the register tile that computes it or the thread count. A row's
+  result is bit for bit the same alone, in a prompt, or beside other sequences
+  (tests/unit/test_dense_kernels.py). fbgemm's fp16 GEMM and MKL's sgemm, which these
+  formats ran on before, are not: they pick their blocking (so their summation order) by
+  the row count (fbgemm's rows differed between 1-2 rows and 3+, MKL's for many row
+  counts). Where Flare's kernels cannot be had (`flare.kernels.KernelUnavailable`: no
+  AVX2/FMA/F16C, no compiler or ninja) `fp16` falls back to fbgemm's fp16 GEMM
+  (`quantized::linear_dynamic_fp16`, its own packed layout: `fbgemm_fp16_packed_bytes`)
+  and `full` to `F.linear`, without row invariance.
+
+  Measured on the 2-core AVX2 machine (Zen 3, shared with other jobs, so absolute
+  figures are low), the 30 layers' four matmuls of the embedded model (float16 weights,
+  streamed from memory), one thread, medians of 7 interleaved runs (3 at 512 rows),
+  fbgemm / Flare:
+  30.4 / 17.1 ms at 1 row, 35.7 / 23.9 at 2, 35.9 / 30.1 at 4, 61.2 / 49.7 at 8,
+  87.6 / 83.6 at 16, 287 / 269 at 64, 1975 / 1941 at 512 (the kernel's 6 x 16 prompt
+  tile runs at about 28 GMAC/s per core; see the README's engine figures for whole-model
+  rates).
+
+Earlier measurement (same machine, one thread, thread CPU time, one layer's four matmuls
+of the embedded model with 30 layers' weights streamed from memory, medians of 5) of
+fp32 (MKL) against fbgemm fp16: fp32 1.22 ms at 1 token, 2.82 ms at 8, 50.8 ms at 512;
+fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) have no AVX2 path in torch 2.13:
 5.2 ms at 1 token (4x slower than fp32), 52.6 ms at 8, 3.2 s at 512 (int4 slower still);
 `torch._int_mm` is slower again. They are not offered as formats.
@@ -98,6 +123,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -151,7 +177,7 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
     if fmt in ("fp16", "q4", "q4x8"):
-        kernel = "fbgemm" if fmt == "fp16" else f"Flare's {fmt} kernel"
+        kernel = f"Flare's {fmt} kernel"
         why = []
         if dtype != "float32":
             why.append(f"serving dtype {dtype!r} (needs float32 activations)")
@@ -523,35 +549,89 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, 
     return {k: v.to(torch.float16) if _is_stored_low(k, v) else v for k, v in tensors.items()}
 
 
+def dense_panel_bytes(out_features: int, in_features: int, element_size: int) -> int:
+    """Bytes of one weight in Flare's dense panel layout ([ceil(out/16), in, 16] of
+    `element_size`-byte values: the output axis padded to a multiple of 16)."""
+    return -(-out_features // 16) * 16 * in_features * element_size
+
+
 def fp16_packed_bytes(out_features: int, in_features: int) -> int:
-    """Bytes of one weight in fbgemm's packed fp16 layout: float16, with the input axis
-    padded to a multiple of 512 (fbgemm's row block; torch packs with its default) and
-    the output axis to a multiple of 16. For the embedded model's 576-wide inputs that is
-    1024 rows: the padding costs memory, not bandwidth (the kernel skips it)."""
+    """Bytes of one float16 weight as `fp16` serves it on CPU with Flare's kernels: the
+    panel layout of `dense_panel_bytes` (float16, output axis padded to 16)."""
+    return dense_panel_bytes(out_features, in_features, 2)
+
+
+def fbgemm_fp16_packed_bytes(out_features: int, in_features: int) -> int:
+    """Bytes of one weight in fbgemm's packed fp16 layout (the fallback where Flare's
+    kernels cannot be had): float16, with the input axis padded to a multiple of 512
+    (fbgemm's row block; torch packs with its default) and the output axis to a multiple
+    of 16. For the embedded model's 576-wide inputs that is 1024 rows."""
     return -(-in_features // 512) * 512 * -(-out_features // 16) * 16 * 2
 
 
+_DENSE: ModuleType | None | bool = False  # False: not looked up yet
+
+
+def dense_kernels() -> ModuleType | None:
+    """Flare's kernel module when its row-invariant dense GEMMs (`dense_pack`,
+    `f16_linear`, `f32_linear`) can run here, else None (`KernelUnavailable`: the CPU,
+    compiler or build; looked up once per process, building the module on first use)."""
+    global _DENSE
+    if _DENSE is False:
+        from flare.kernels import KernelUnavailable, qgemm
+
+        try:
+            _DENSE = qgemm()
+        except KernelUnavailable:
+            _DENSE = None
+    return _DENSE
+
+
 def serving_weight_bytes(tensors: Mapping[str, torch.Tensor], fmt: str,
-                         tied_embeddings: bool) -> int:
+                         tied_embeddings: bool, *, device: str = "cpu",
+                         kernels: bool | None = None) -> int:
     """Bytes of weights a served dense model holds for `tensors` stored in format `fmt`.
 
-    `full`, `q4` and `q4x8`: the stored bytes (fused q/k/v and gate/up replace their parts; with
+    `q4` and `q4x8`: the stored bytes (fused q/k/v and gate/up replace their parts; with
     `q4` a tied output layer runs on the embedding's own q8 blocks; the float32 scratch
     buffer prefill dequantizes into, the largest layer weight's size per thread, is not
-    counted). `fp16`: each 2-D weight in fbgemm's packed layout (`fp16_packed_bytes`),
-    plus the float16 token embedding table for lookups (with tied embeddings the output
-    layer is a packed copy of it); 1-D tensors as stored.
+    counted). `fp16` and float32 `full` on CPU with Flare's kernels: each 2-D weight in
+    the panel layout (`dense_panel_bytes`), the token embedding as stored for lookups
+    plus, with tied embeddings, a panel copy of it for the output layer. `fp16` without
+    the kernels: fbgemm's packed layout (`fbgemm_fp16_packed_bytes`) in the same way.
+    `full` otherwise (another dtype or device, or no kernels): the stored bytes (a tied
+    output layer shares the table). 1-D tensors as stored. Padding is counted per stored
+    weight (fused parts whose row counts are multiples of 16 pad alike).
+
+    Args:
+        device: the serving device ("cpu", "cuda", ...); only CPU packs.
+        kernels: whether Flare's dense kernels run; None looks it up (`dense_kernels`).
     """
-    if fmt in ("full", "q4", "q4x8"):
+    if fmt not in ("full", "fp16"):
         return sum(t.numel() * t.element_size() for t in tensors.values())
+    on_cpu = torch.device(device).type == "cpu"
+    if kernels is None:
+        kernels = on_cpu and dense_kernels() is not None
+    if fmt == "full":
+        if not (on_cpu and kernels):
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+
+        def packed(t: torch.Tensor) -> int:
+            return dense_panel_bytes(*t.shape, 4)
+    elif kernels:
+        def packed(t: torch.Tensor) -> int:
+            return fp16_packed_bytes(*t.shape)
+    else:
+        def packed(t: torch.Tensor) -> int:
+            return fbgemm_fp16_packed_bytes(*t.shape)
     total = 0
     for name, t in tensors.items():
-        if not _is_stored_low(name, t):
+        if not _is_stored_low(name, t) or (fmt == "full" and t.dtype != torch.float32):
             total += t.numel() * t.element_size()
         elif name == "model.embed_tokens.weight":
-            total += t.numel() * 2 + (fp16_packed_bytes(*t.shape) if tied_embeddings else 0)
+            total += t.numel() * t.element_size() + (packed(t) if tied_embeddings else 0)
         else:
-            total += fp16_packed_bytes(*t.shape)
+            total += packed(t)
     return total
 
 
@@ -574,11 +654,15 @@ class Linear:
     """y = x W^T (+ b) for one weight, in whichever kernel its storage calls for.
 
     Args:
-        weight: [out, in], in `dtype` (plain `F.linear`), or float16 with `dtype` float32
-            (fbgemm fp16 GEMM on CPU; widened to float32 elsewhere), or a quantized
+        weight: [out, in], in `dtype`, or float16 with `dtype` float32, or a quantized
             weight (`Q4Weight`, `Q8Weight`, `Q4x8Weight`, `Q8x8Weight`) with `dtype`
             float32 on CPU (Flare's kernels; where they cannot be had, dequantized to
-            float32 at load with a warning).
+            float32 at load with a warning). A float16 or float32 weight under float32
+            on CPU is packed into panels for Flare's row-invariant dense kernels
+            (`f16_linear`, `f32_linear`; a row's result never depends on the other rows
+            of the call); where those cannot be had, float16 runs on fbgemm's fp16 GEMM
+            and float32 on `F.linear`. Any other dtype or device: `F.linear` (float16
+            widened to float32 at load off the CPU).
         bias: [out] in `dtype`, or None.
         dtype: the serving dtype of activations.
 
@@ -592,7 +676,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = self.qweight = None
+        self.packed = self.qweight = self.panels = None
         if isinstance(weight, (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight)):
             if dtype != torch.float32 or weight.codes.device.type != "cpu":
                 raise ValueError(f"q4/q8 weights serve float32 activations on CPU, not "
@@ -610,22 +694,32 @@ class Linear:
                 self.bias = bias
                 self.nbytes = weight.nbytes + (bias.nbytes if bias is not None else 0)
                 return
-        if weight.dtype != dtype:
-            if not (weight.dtype == torch.float16 and dtype == torch.float32):
-                raise ValueError(f"weight dtype {weight.dtype} cannot serve {dtype} "
-                                 f"activations (expected {dtype}, or float16 under float32)")
-            if weight.device.type == "cpu":
+        if weight.dtype != dtype and not (weight.dtype == torch.float16
+                                          and dtype == torch.float32):
+            raise ValueError(f"weight dtype {weight.dtype} cannot serve {dtype} "
+                             f"activations (expected {dtype}, or float16 under float32)")
+        bias_bytes = bias.nbytes if bias is not None else 0
+        if dtype == torch.float32 and weight.device.type == "cpu":
+            kernels = dense_kernels()
+            if kernels is not None:  # row-invariant panels, float16 or float32
+                self.panels = kernels.dense_pack(weight)
+                self._dense = (kernels.f16_linear if weight.dtype == torch.float16
+                               else kernels.f32_linear)
+                self.bias = bias.contiguous() if bias is not None else None
+                self.weight = None
+                self.nbytes = self.panels.nbytes + bias_bytes
+                return
+            if weight.dtype == torch.float16:
                 prepack, self._gemm = _fp16_ops()
                 # fbgemm copies the weight into its own fp16 layout; the float32 widening
                 # is exact and only lives for this call
                 self.packed = prepack(weight.float(), bias)
-                self.nbytes = (fp16_packed_bytes(*weight.shape)
-                               + (bias.nbytes if bias is not None else 0))
+                self.nbytes = fbgemm_fp16_packed_bytes(*weight.shape) + bias_bytes
                 self.weight = self.bias = None
                 return
-            weight = weight.to(dtype)
+        weight = weight.to(dtype)
         self.weight, self.bias = weight, bias
-        self.nbytes = weight.nbytes + (bias.nbytes if bias is not None else 0)
+        self.nbytes = weight.nbytes + bias_bytes
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         w, k = self.qweight, self._kernels
@@ -654,6 +748,8 @@ class Linear:
         return y if self.bias is None else y.add_(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return self._dense(x.contiguous(), self.panels, self.out_features, self.bias)
         if self.packed is not None:
             return self._gemm(x, self.packed)
         if self.qweight is not None:

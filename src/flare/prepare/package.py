@@ -93,7 +93,7 @@ class PackageTensors(Mapping[str, torch.Tensor]):
     mapped by safetensors) each time it is asked for, never caching it.
 
     The model keeps only what it builds from these tensors (fused q/k/v and gate/up,
-    fbgemm-packed weights), so the weights in memory are the model's alone: a tensor it
+    weights packed for the kernels), so the weights in memory are the model's alone: a tensor it
     replaced is unmapped when dropped, and the memory report's weight bytes hold.
 
     Args:
@@ -258,8 +258,9 @@ def write_package(
         fmt = "full"  # the default never turns a weight infinite; asked for, it raises
     stored = convert_tensors(ckpt.tensors, fmt)
     weights_bytes = ckpt.weights_bytes
-    if recipe == "llama":  # what the model holds: fused parts, fbgemm's packed layout
-        weights_bytes = serving_weight_bytes(stored, fmt, ckpt.config.tie_word_embeddings)
+    if recipe == "llama":  # what the model holds: fused parts, the kernels' packed layout
+        weights_bytes = serving_weight_bytes(stored, fmt, ckpt.config.tie_word_embeddings,
+                                             device=device)
 
     _stage("planning", progress)
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,

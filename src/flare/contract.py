@@ -30,7 +30,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 #    Flare's own kernel (flare.kernels); an older runtime would miss those tensors.
 # 4: weight format `q4x8`: q4/q8 blocks in an 8-row interleaved layout with float16
 #    scales under their own suffixes, run with int8 activations (flare.kernels qdot8.cpp).
-EXECUTION_ABI: int = 4
+# 5: exact by default: one fixed-order attention routine, row-invariant dense kernels for
+#    `full` / `fp16`, a sequential gated delta rule for hybrids; the default format of a
+#    Q4_1 GGUF is `q4x8` (source["weight_types"]). Older packages were chosen and
+#    measured under the old defaults.
+EXECUTION_ABI: int = 5
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.

@@ -16,6 +16,7 @@ from flare.models.quant import (
     check_weight_format,
     convert_tensors,
     default_weight_format,
+    native_q4x8,
     fbgemm_fp16_packed_bytes,
     fp16_packed_bytes,
     serving_weight_bytes,
@@ -68,6 +69,23 @@ def test_weight_format_applies_only_where_fbgemm_serves_it():
         check_weight_format("full", **kw)
         with pytest.raises(ValueError, match="does not apply"):
             check_weight_format("fp16", **kw)
+
+
+def test_default_format_of_a_q4_1_gguf_is_its_own_blocks_q4x8():
+    """The exact default is the native format: `q4x8` for a GGUF of Q4_1 layers (and a
+    Q8_0 embedding, as the embedded model), `fp16` for any other source."""
+    gguf = {"format": "gguf", "weight_types": {"layers": ["Q4_1"], "other": ["Q8_0"]}}
+    kw = dict(dtype="float32", device="cpu", recipe="llama")
+    assert native_q4x8(gguf) and default_weight_format(**kw, source=gguf) == "q4x8"
+    for types in ({"layers": ["Q4_0"], "other": ["Q8_0"]},  # re-quantizing Q4_0 is lossy
+                  {"layers": ["Q4_1", "Q6_K"], "other": ["Q8_0"]},
+                  {"layers": ["F16"], "other": ["F16"]}, {}):
+        source = {"format": "gguf", "weight_types": types}
+        assert not native_q4x8(source)
+        assert default_weight_format(**kw, source=source) == "fp16"
+    assert default_weight_format(**kw, source={"format": "safetensors"}) == "fp16"
+    assert default_weight_format(dtype="float32", device="cpu", recipe="lfm2",
+                                 source=gguf) == "full"
 
 
 def test_packed_bytes_pad_the_output_axis_to_16():

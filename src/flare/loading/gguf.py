@@ -229,6 +229,19 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
     return out
 
 
+def weight_types(reader: GGUFReader) -> dict[str, list[str]]:
+    """The GGUF types of the file's 2-D weights, sorted names: {"layers": the transformer
+    blocks' projections, "other": the token embedding and output layer}. Decides the
+    default weight format (`flare.models.quant.native_q4x8`)."""
+    layers, other = set(), set()
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        kind = GGMLQuantizationType(t.tensor_type).name
+        (layers if t.name.startswith("blk.") else other).add(kind)
+    return {"layers": sorted(layers), "other": sorted(other)}
+
+
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = False) -> Checkpoint:
     """Read a GGUF file into a `Checkpoint` (see `flare.loading.checkpoint.load_checkpoint`).
 
@@ -252,6 +265,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = F
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name,
                                chat_template=_field(reader, "tokenizer.chat_template"))
     source = source_identity(path)
+    source["weight_types"] = weight_types(reader)
     general_name = _field(reader, "general.name")
     if general_name:
         source["general_name"] = general_name

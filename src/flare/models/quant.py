@@ -197,9 +197,48 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
                              f"{problem}; use --weights fp16")
 
 
-def default_weight_format(*, dtype: str, device: str, recipe: str) -> str:
-    """`fp16` where it applies (CPU, float32 serving dtype, recipe `llama`): it reads half
-    the bytes per decoded token and is no slower at any batch size measured; else `full`."""
+# GGUF tensor types whose values `q4x8` holds exactly: Q4_1 layers are its own blocks
+# (codes, float16 scale and min), a Q8_0 embedding its own Q8_0 blocks; norms stay float32.
+# Q4_0 is not among them: re-quantizing its blocks as Q4_1 moves a block that does not use
+# both extreme codes.
+Q4X8_NATIVE_LAYER_TYPES = frozenset({"Q4_1"})
+Q4X8_NATIVE_OTHER_TYPES = frozenset({"Q4_1", "Q8_0", "F32"})
+
+
+def native_q4x8(source: Mapping | None) -> bool:
+    """Whether a checkpoint's weights are stored as `q4x8` holds them: a GGUF whose layer
+    weights are all Q4_1 (and the rest Q4_1, Q8_0 or F32), from `source["weight_types"]`
+    ({"layers": [...], "other": [...]}, GGUF type names, written by the GGUF loader)."""
+    if not source or source.get("format") != "gguf":
+        return False
+    types = source.get("weight_types") or {}
+    layers, other = set(types.get("layers", ())), set(types.get("other", ()))
+    return (bool(layers) and layers <= Q4X8_NATIVE_LAYER_TYPES
+            and other <= Q4X8_NATIVE_OTHER_TYPES)
+
+
+def default_weight_format(*, dtype: str, device: str, recipe: str,
+                          source: Mapping | None = None) -> str:
+    """The fastest exact format for a model (docs/preparation-contract.md, "Exactness").
+
+    - `q4x8` for a GGUF stored in its blocks (`native_q4x8(source)`: Q4_1 layers, as the
+      embedded model) where the format applies (CPU, float32, recipe `llama`) and Flare's
+      kernel builds: the file's own weights, the fastest decode and prefill measured;
+    - else `fp16` where it applies: half the bytes of `full` per decoded token, run by
+      Flare's row-invariant kernel;
+    - else `full`.
+
+    Every one of them is batch- and chunk-invariant on CPU with Flare's kernels.
+    `source` is the checkpoint's (or a package manifest's) source identity; None or a
+    safetensors folder never picks `q4x8`.
+    """
+    if native_q4x8(source):
+        try:
+            check_weight_format("q4x8", dtype=dtype, device=device, recipe=recipe)
+        except ValueError:
+            pass
+        else:
+            return "q4x8"
     try:
         check_weight_format("fp16", dtype=dtype, device=device, recipe=recipe)
     except ValueError:

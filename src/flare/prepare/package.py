@@ -252,7 +252,8 @@ def write_package(
     dtype_from_name(serving_dtype)  # refuse a dtype the plan does not know
     device_class = device_class_of(device)
     recipe = recipe_for(ckpt.config)
-    fmt = weights or default_weight_format(dtype=serving_dtype, device=device, recipe=recipe)
+    fmt = weights or default_weight_format(dtype=serving_dtype, device=device, recipe=recipe,
+                                           source=ckpt.source)
     check_weight_format(fmt, dtype=serving_dtype, device=device, recipe=recipe)
     if weights is None and fmt == "fp16" and fp16_overflow(ckpt.tensors) is not None:
         fmt = "full"  # the default never turns a weight infinite; asked for, it raises
@@ -490,7 +491,7 @@ def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
     if manifest.dtype != dtype:
         return f"dtype differs: package {manifest.dtype}, wanted {dtype}"
     want_fmt = weights or default_weight_format(dtype=dtype, device=device,
-                                                recipe=manifest.recipe)
+                                                recipe=manifest.recipe, source=have)
     have_fmt = manifest.tuning.get("weights", "full")
     if have_fmt != want_fmt:
         return f"weight format differs: package {have_fmt}, wanted {want_fmt}"

@@ -11,7 +11,11 @@ On CUDA it:
    the CPU torch path on the same weights (`PASS parity ...` / `FAIL parity ...` lines);
 3. serves the tiny package once (`flare serve --device cuda` on 127.0.0.1) and answers one
    chat request over HTTP (`PASS serve ...` / `FAIL serve ...`);
-4. prints prefill tokens/s (one 512-token prompt) and decode tokens/s at batch 1 and 8,
+4. checks exactness (batch and chunk invariance): a prompt's sampled fp32 logits, step
+   by step, prefilled whole, in chunks of 7 and 64 tokens, and beside 3 other sequences,
+   must be bit-identical, with graphs and without (`PASS invariance ...` / `FAIL
+   invariance ...`; on the CPU dry run, which serves the torch reference path, a `NOTE`);
+5. prints prefill tokens/s (one 512-token prompt) and decode tokens/s at batch 1 and 8,
    with and without graphs (`FIGURE ...` lines: figures, never pass/fail).
 
 `--cpu-dry-run` runs the tiny model only, on CPU: packages for `cpu`, parity of the
@@ -125,6 +129,66 @@ def engines(pkg_path: Path, device: str) -> dict[str, Any]:
     return out
 
 
+def sampled_logits(engine: Any, prompts: dict[str, list[int]], n: int) -> dict[str, list]:
+    """Greedy runs of `prompts` submitted together: each request's sampled fp32 logits
+    rows, step by step (recorded by wrapping the engine's own `_sample`)."""
+    from flare.runtime.request import GenerationRequest, SamplingParams
+
+    got: dict[str, list] = {rid: [] for rid in prompts}
+    sample = engine._sample
+
+    def spy(sampling, logits):
+        for row, seq in enumerate(sampling):
+            got[seq.request.request_id].append(logits[row].detach().float().cpu().clone())
+        return sample(sampling, logits)
+
+    engine._sample = spy
+    try:
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        engine.run_until_idle([GenerationRequest(r, ids, params) for r, ids in prompts.items()])
+    finally:
+        engine._sample = sample
+    return got
+
+
+def check_invariance(name: str, pkg_path: Path, device: str, tokenizer: Any) -> None:
+    """Exactness on `device`: one prompt's sampled logits whole, in chunks of 7 and 64,
+    and beside 3 others, with graphs and without, must be bit-identical."""
+    import dataclasses
+
+    from flare.prepare.package import load_package
+    from flare.runtime.engine import Engine
+
+    pkg = load_package(pkg_path, device=device)
+    prompt = tokenizer.encode(PROMPTS[2] * 6)  # about 60 tokens
+    others = {f"o{i}": tokenizer.encode(p) for i, p in enumerate(PROMPTS[:3])}
+    ref = None
+    for graphs in (False, True):
+        for label, chunk, extra in (("whole", 512, {}), ("chunks of 7", 7, {}),
+                                    ("chunks of 64", 64, {}), ("beside 3 others", 64, others)):
+            plan = dataclasses.replace(pkg.plan, max_batch_tokens=max(chunk, 8))
+            if graphs:  # the package's graph capture plan, on the CUDA device
+                engine = Engine.from_package(dataclasses.replace(pkg, plan=plan),
+                                             prefix_cache=False, cuda_graphs=True)
+            else:
+                engine = Engine(pkg.config, plan, pkg.tensors, pkg.tokenizer, device,
+                                prefix_cache=False)
+            got = sampled_logits(engine, {"x": prompt, **extra}, 8)["x"]
+            if ref is None:
+                ref = got
+                continue
+            same = len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+            diff = max((float((a - b).abs().max()) for a, b in zip(got, ref)), default=0.0)
+            text = (f"invariance {name} {device}{'+graphs' if graphs else ''} {label}: "
+                    f"{'bit-identical' if same else f'max abs diff {diff:.2e}'}")
+            if device == "cpu":  # the dry run serves the torch reference path (SDPA, MKL)
+                say("NOTE", text)
+            else:
+                say("", text, ok=same)
+        if device == "cpu":
+            break
+
+
 def bench(engine: Any, label: str, vocab: int, max_seq_len: int, quick: bool = False) -> None:
     """FIGURE lines: prefill tokens/s of one prompt, decode tokens/s at batch 1 and 8
     (`quick`: 64-token prefill, 8 decode steps)."""
@@ -236,6 +300,7 @@ def check_model(name: str, pkg: Path, device: str, tokenizer: Any,
                  greedy_tokens(es["eager"], prompts, PARITY_TOKENS))
     for key in ("graphs", "eager"):
         es[key].check_integrity()
+    check_invariance(name, pkg, device, tokenizer)
     vocab = es["eager"].config.vocab_size
     for key in ("graphs", "eager"):
         bench(es[key], f"{name} {where} {key}", vocab, es[key].plan.max_seq_len, quick)

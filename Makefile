@@ -26,7 +26,7 @@ setup: $(STAMP)
 # KV pool: 1,024 pages of 16 tokens shared by all sequences (about 750 MB in fp32);
 # one sequence may still use the model's whole 8,192-token context.
 PAGES ?= 1024
-# weight format (empty: Flare's default, fp16); q4x8 decodes about twice as fast
+# weight format (empty: the model's default, q4x8 for the embedded Q4_1 GGUF; see README)
 WEIGHTS ?=
 
 serve: setup

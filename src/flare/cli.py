@@ -53,11 +53,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8"], default=None,
                    help="weight format of the linear layers: full (serving dtype), fp16 "
                         "(float16 weights, Flare's row-invariant kernel; CPU, float32, Llama "
-                        "family), q4 "
-                        "(4-bit blocks, Flare's AVX2 kernel; same, on x86-64 with AVX2/FMA "
-                        "and a C++ compiler) or q4x8 (q4 blocks with int8 activations, "
-                        "llama.cpp's Q4_1 x Q8_1 arithmetic: the fastest decode). Default: "
-                        "fp16 where it applies, else full")
+                        "family), q4 (4-bit blocks, float activations; not batch-invariant) "
+                        "or q4x8 (q4 blocks with int8 activations, llama.cpp's Q4_1 x Q8_1 "
+                        "arithmetic; on x86-64 with AVX2/FMA/F16C and a C++ compiler). "
+                        "Default: the fastest exact format for the input: q4x8 for a GGUF "
+                        "of Q4_1 layers (the embedded model), else fp16 where it applies, "
+                        "else full")
     g.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: the device the package is prepared for / served "
                         "on (default cpu)")

@@ -36,8 +36,10 @@ multiplied; activations, norms, biases and the KV cache stay in the serving dtyp
   fbgemm / Flare:
   30.4 / 17.1 ms at 1 row, 35.7 / 23.9 at 2, 35.9 / 30.1 at 4, 61.2 / 49.7 at 8,
   87.6 / 83.6 at 16, 287 / 269 at 64, 1975 / 1941 at 512 (the kernel's 6 x 16 prompt
-  tile runs at about 28 GMAC/s per core; see the README's engine figures for whole-model
-  rates).
+  tile runs at about 28 GMAC/s per core). Engine, embedded model in `fp16`, one thread,
+  medians of 4 interleaved rounds, fbgemm / Flare: decode at batch 1 40.5 / 53.8 tok/s,
+  8 streams 159.8 / 171.5 aggregate, prefill 512 tokens 316 / 318 tok/s; weights held
+  494 / 326 MB (fbgemm pads the 576-wide input axis to 1024).
 
 Earlier measurement (same machine, one thread, thread CPU time, one layer's four matmuls
 of the embedded model with 30 layers' weights streamed from memory, medians of 5) of
@@ -98,15 +100,13 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   rounded to float16): 20 bytes per layer block and 34 per output-layer block, 96 MB per
   decoded token of the embedded model. The kernel runs every batch
   size, prompts included (no dequantize + MKL path): a linear layer's result for a row
-  never depends on the rows beside it. The request's output still can: prefill attention
-  sums in an order that depends on the chunk length, and int8 rounding turns those
-  last-bit differences into code steps, so with `q4x8` a greedy answer of the embedded
-  model may change after a few tokens when its prompt is chunked differently or runs
-  beside other requests (`fp16` absorbs the same differences; llama.cpp's Q4 arithmetic
-  has the same property). Activation rounding moves the embedded model's logits by up to
-  about 1
-  (next-token agreement with the float product stays at 96 of 96 teacher-forced
-  positions, see tests/unit/test_quant_parity.py); `q4` keeps float32 activations.
+  never depends on the rows beside it, and with the rest of the serving path fixed-order
+  too (attention, norms, activation rounding: docs/preparation-contract.md,
+  "Exactness") a request's logits do not depend on chunking, reuse or batch. It is the
+  default for a GGUF of Q4_1 layers (`default_weight_format`). Activation rounding moves
+  the embedded model's logits by up to about 1 against the float product (next-token
+  agreement 96 of 96 teacher-forced positions, see tests/unit/test_quant_parity.py);
+  `q4` keeps float32 activations.
 
   Measured on the 2-core AVX2 machine (`bench/peers.py --weights fp16,q4,q4x8 --repeat
   3`, medians of 3 interleaved rounds, 2 threads), fp16 / q4 / q4x8 / llama.cpp on the

@@ -3,8 +3,8 @@
 The math follows transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
 (pre-norm blocks, RoPE with `rotate_half`, GQA, SwiGLU MLP), so greedy tokens match theirs.
 Weights arrive in Hugging Face naming; q/k/v and gate/up are fused once at load so a layer
-is four matmuls, each a `flare.models.quant.Linear` (plain `F.linear`, or fbgemm's fp16
-GEMM for weights a package stores as float16). The forward is a plain function of the
+is four matmuls, each a `flare.models.quant.Linear` (on CPU with float32 Flare's
+row-invariant kernels for every weight format but `q4`). The forward is a plain function of the
 step's flat token list over a paged KV cache: x is [T, hidden] for all T tokens of the
 step, whatever sequence they belong to. Per layer it runs few tensor operations: one
 RMSNorm kernel, RoPE once over the q and k heads together, K/V written by index, one
@@ -13,8 +13,9 @@ attention call; decode at batch 1 spends most of its time in the matmuls.
 Fused ops. For float32 serving on CPU the small steps between the matmuls run as Flare's
 fused C++ ops (`flare.kernels.fused_ops`, built into the kernel extension with the q4
 GEMMs): RMSNorm, residual add + RMSNorm in one pass, per-head q/k RMSNorm (Qwen3) + RoPE +
-K/V store in one call, SiLU(gate) * up, and for one decode sequence in consecutive slots
-attention over its span (see `flare.models.attention`). The choice is made once, at
+K/V store in one call, SiLU(gate) * up, and attention for decode and prefill rows alike
+through one fixed-order routine (see `flare.models.attention`): with them the forward is
+batch- and chunk-invariant (a token's logits never depend on chunking, reuse or batch). The choice is made once, at
 construction: `LlamaModel(..., fused=None)` (the default) takes the kernel module when the
 serving dtype is float32 on CPU and the module loads, else the torch path;
 `fused=False`, or $FLARE_FUSED_OPS=0 in the environment, forces the torch path (the

@@ -1,0 +1,461 @@
+"""OpenAI's Responses API over the generation core (docs/agents.md, "Responses API").
+
+    POST   /v1/responses        create a response (streamed with `"stream": true`)
+    GET    /v1/responses/{id}   a stored response
+    DELETE /v1/responses/{id}   forget it, and its session
+
+Requests, input items and stream events: `flare.server.responses_protocol`. Generation,
+grammars, tool parsing and the context policy are the chat surface's
+(`flare.server.generation`).
+
+Stored responses (`store`, default true) are Flare sessions (`flare.state.sessions`): the
+response id names the session, so its state is pinned on the device within the pinned-page
+budget (`--max-pinned-pages`), saved to the disk tier as soon as it is complete (with a
+`--state-dir`), and found again after a restart. The record of each stored response (the
+public object, the conversation as chat messages, its exact text and token ids: prompt
+plus every generated token) is kept in memory and, with a disk tier, in one JSON file per
+response under `responses-<package>/` in the state folder (written atomically; at most
+`MAX_STORED_RESPONSES`, the oldest forgotten first).
+
+`previous_response_id`: the request sends only its new items. The conversation is the
+stored one plus those items, rendered by the model's chat template; when that rendering
+starts with the stored conversation's text (the template reproduces the model's own
+output: ChatML and the other common templates do), the prompt is the stored token ids
+followed by the tokens of the new text only, so the stored state is continued exactly and
+reused whole (`usage.input_tokens_details.cached_tokens`). Otherwise (other
+`instructions` or tools, a template that rewrites earlier turns) the whole conversation is
+re-rendered and the prefix cache reuses what still matches; `flare.continuation` in the
+response says which ("exact" or "rerendered"). Two requests naming the same response
+branch from it: states are copied on write, nothing one branch writes reaches the other.
+Only the newest response of a chain keeps the pin (its pages hold every earlier turn), so
+a long agent loop does not pin one copy per turn. A response whose state does not fit in
+the pinned budget is still stored, unpinned: it is then cached, demoted and restored like
+any other state, and recomputed when nothing holds it any more.
+
+`instructions` left out of a continuation keep the stored ones (OpenAI drops them; keeping
+them is what lets the state continue exactly); new instructions replace them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from flare.runtime.engine import RequestRejected
+from flare.runtime.request import GenerationRequest, SamplingParams
+from flare.server.chat import ChatTemplateError, render_chat
+from flare.server.generation import SSE_HEADERS, ClosingStreamingResponse, GenerationCore, new_id
+from flare.server.guard import check_message_count
+from flare.server.protocol import ApiError
+from flare.server.responses_protocol import (
+    RESPONSE_ID,
+    ResponseEvents,
+    ResponsesRequest,
+    call_ids,
+    input_messages,
+    output_messages,
+    responses_param,
+    sse_bytes,
+    usage_object,
+)
+from flare.server.streaming import Tally, flare_extension
+from flare.server.tool_calls import ContentEvent, Event
+
+log = logging.getLogger(__name__)
+
+MAX_STORED_RESPONSES = 512  # beside the named sessions, within the registry's MAX_SESSIONS
+SAVE_TIMEOUT_S = 120.0
+_ID = re.compile(RESPONSE_ID)
+
+
+@dataclass
+class StoredResponse:
+    """One stored response.
+
+    Attributes:
+        id: the response id (also its session's name).
+        body: the public response object (what GET returns).
+        instructions: the instructions it ran with (a leading system message), or None.
+        messages: the conversation after the instructions, as chat messages, this
+            response's own output last.
+        text: the conversation's exact text: the prompt then every generated token.
+        tokens: its token ids (prompt + generated); `tokens[:-1]` is the computed state.
+    """
+
+    id: str
+    body: dict[str, Any]
+    instructions: str | None
+    messages: list[dict[str, Any]]
+    text: str
+    tokens: list[int]
+
+
+class ResponseStore:
+    """Stored responses by id, oldest first; persisted one JSON file each in `folder`.
+
+    Thread-safe. Ids are checked against `RESPONSE_ID` before they name a file.
+
+    Args:
+        folder: where the records live (None: in memory only).
+        limit: most records kept; `put` beyond it forgets the oldest.
+    """
+
+    def __init__(self, folder: Path | None, limit: int = MAX_STORED_RESPONSES) -> None:
+        self.folder = folder
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._records: OrderedDict[str, StoredResponse] = OrderedDict()
+        if folder is not None:
+            self._load()
+
+    def _load(self) -> None:
+        loaded = []
+        for path in self.folder.glob("resp_*.json"):
+            if not _ID.fullmatch(path.stem):
+                continue
+            try:
+                rec = StoredResponse(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("ignoring unreadable stored response %s: %s", path, exc)
+                continue
+            loaded.append((rec.body.get("created_at", 0), path.stat().st_mtime, rec))
+        for _, _, rec in sorted(loaded, key=lambda t: t[:2]):
+            self._records[rec.id] = rec
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The record, or None when there is none (a bad id included)."""
+        with self._lock:
+            return self._records.get(response_id)
+
+    def put(self, rec: StoredResponse) -> list[str]:
+        """Keep `rec` (written before it is listed); returns the ids forgotten to stay
+        within the limit."""
+        self._write(rec)
+        with self._lock:
+            self._records[rec.id] = rec
+            old = []
+            while len(self._records) > self.limit:
+                old.append(self._records.popitem(last=False)[0])
+        for rid in old:
+            self._unlink(rid)
+        return old
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a record; False when there was none."""
+        with self._lock:
+            found = self._records.pop(response_id, None) is not None
+        if found:
+            self._unlink(response_id)
+        return found
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def _path(self, response_id: str) -> Path | None:
+        if self.folder is None or not _ID.fullmatch(response_id):
+            return None
+        return self.folder / f"{response_id}.json"
+
+    def _write(self, rec: StoredResponse) -> None:
+        path = self._path(rec.id)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".resp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(rec), f, ensure_ascii=False)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _unlink(self, response_id: str) -> None:
+        path = self._path(response_id)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def continuation_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None, tool_format: Any,
+                        parent: StoredResponse | None) -> tuple[str, list[int], str | None]:
+    """The prompt of a request: (text, token ids, continuation).
+
+    Without `parent`: the rendered conversation, tokenized (continuation None). With it:
+    when the rendering starts with the parent's exact text, the parent's token ids plus the
+    tokens of the rest ("exact"); else the whole rendering tokenized ("rerendered").
+
+    Raises:
+        ChatTemplateError: as `render_chat`.
+    """
+    text = render_chat(tokenizer, messages, tools, tool_format)
+    if parent is not None and text.startswith(parent.text):
+        rest = text[len(parent.text):]
+        return text, parent.tokens + list(tokenizer.encode(rest, add_special_tokens=False)), \
+            "exact"
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return text, ids, None if parent is None else "rerendered"
+
+
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", param=param,
+                    code="response_not_found")
+
+
+def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRouter:
+    """The Responses API routes over `engine` (an `AsyncEngine`), the shared core and the
+    `ServerSettings`."""
+    router = APIRouter()
+    core = getattr(engine, "engine", None)  # the Engine: sessions, pins, tiers
+    has_sessions = core is not None and hasattr(core, "sessions") and hasattr(core, "pins")
+    folder = None
+    if has_sessions and getattr(core.sessions, "path", None) is not None:
+        folder = core.sessions.path.parent / f"responses-{core.sessions.namespace[:16] or 'default'}"
+    store = ResponseStore(folder)
+    background: set[asyncio.Task] = set()
+    tokenizer = engine.tokenizer
+
+    # ---- sessions -----------------------------------------------------------------------
+
+    async def on_engine(fn: Any) -> Any:
+        return await asyncio.wrap_future(core.call(fn))
+
+    async def save(name: str) -> None:
+        """Write a stored response's state to the disk tier and mark its session saved."""
+        tiers = getattr(core, "tiers", None)
+        if tiers is None or tiers.transfers is None:
+            return
+        try:
+            tokens = core.sessions.get(name).tokens
+            ticket, covered = await on_engine(lambda: core.save_session(name))
+            if ticket is not None:
+                done = await asyncio.to_thread(ticket.done.wait, SAVE_TIMEOUT_S)
+                if not done or ticket.error or ticket.written < len(ticket.keys):
+                    log.warning("saving response %s to disk failed: %s", name,
+                                ticket.error or "the disk tier refused a record")
+                    return
+            await asyncio.to_thread(core.sessions.mark_saved, name, tokens, covered)
+        except Exception as exc:  # a failed save costs a recompute later, never the answer
+            log.warning("saving response %s to disk failed: %s", name, exc)
+
+    async def forget_session(name: str) -> None:
+        if not has_sessions:
+            return
+        try:
+            await asyncio.to_thread(core.sessions.delete, name)
+        except Exception:  # noqa: BLE001 - no such session (never recorded): nothing to do
+            pass
+        await on_engine(lambda: core.pins.release(name))
+
+    async def keep(rec: StoredResponse, parent_id: str | None, session: str | None) -> None:
+        """Store `rec`; move the chain's pin to it; save its state to disk."""
+        for old in await asyncio.to_thread(store.put, rec):
+            await forget_session(old)
+        if session is None:
+            return
+        if parent_id is not None:  # the new pin's pages hold the parent's state
+            await on_engine(lambda: core.pins.release(parent_id))
+        task = asyncio.create_task(save(session))
+        background.add(task)
+        task.add_done_callback(background.discard)
+
+    # ---- routes -------------------------------------------------------------------------
+
+    @router.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's POST /v1/responses (module docstring)."""
+        arrival_ns = time.monotonic_ns()
+        gen.check_model(body.model)
+        parent = None
+        if body.previous_response_id is not None:
+            parent = store.get(body.previous_response_id)
+            if parent is None:
+                raise _not_found(body.previous_response_id, "previous_response_id")
+        history = parent.messages if parent is not None else []
+        new, origin = input_messages(body.input, known_calls=call_ids(history))
+        instructions = body.instructions if body.instructions is not None else (
+            parent.instructions if parent is not None else None)
+        head = [{"role": "system", "content": instructions}] if instructions else []
+        messages = head + history + new
+        check_message_count(len(messages), settings.max_messages)
+        gen.prompt_bound.check(sum(len(m.get("content") or "") for m in head + new), "input")
+        tools = body.chat_tools()
+
+        def param_of(index: int | None) -> str:
+            if index is None:
+                return "input"
+            if index < len(head):
+                return "instructions"
+            if index < len(head) + len(history):
+                return "previous_response_id"
+            return f"input[{origin[index - len(head) - len(history)]}]"
+
+        try:
+            text, prompt_ids, continuation = await asyncio.to_thread(
+                continuation_prompt, tokenizer, messages, tools, gen.tool_format, parent)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param=param_of(e.message_index),
+                           code="invalid_chat_template_input") from e
+        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape
+            raise ApiError(400, f"input text cannot be encoded: {e}", param="input") from e
+
+        max_tokens = gen.completion_budget(body.max_output_tokens, len(prompt_ids), "input")
+        mode = body.tool_mode
+        specs = [(t.name, t.parameters) for t in body.tools or ()] if tools else []
+        parallel = body.parallel_tool_calls is not False
+        try:
+            constraints = await gen.constraints(specs, mode, only=body.forced_name,
+                                                parallel=parallel, answer=body.answer_schema,
+                                                n=1)
+        except ApiError as e:
+            e.param = responses_param(e.param)
+            raise
+        make_parser = (gen.parser_factory([t.name for t in body.tools or ()],
+                                          None if parallel else 1) if tools else None)
+
+        response_id = new_id("resp", "_")
+        session = None
+        if body.store and has_sessions and core.sessions.has_room(response_id):
+            session = response_id
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p)
+        outputs = gen.generate([GenerationRequest(
+            request_id=f"{response_id}-0", prompt_token_ids=prompt_ids, params=params,
+            arrival_ns=arrival_ns, constraint=constraints[0] if constraints else None,
+            session=session)], arrival_ns)
+        generated: list[int] = []
+
+        async def tracked() -> Any:
+            try:
+                async for index, out in outputs:
+                    generated.extend(out.token_ids)
+                    yield index, out
+            finally:
+                await outputs.aclose()
+
+        stream = tracked()
+        events = ResponseEvents({
+            "id": response_id, "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "background": False, "error": None,
+            "incomplete_details": None, "instructions": instructions,
+            "max_output_tokens": body.max_output_tokens, "model": gen.served_name,
+            "output": [], "parallel_tool_calls": parallel,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "temperature": params.temperature, "text": body.echo_text(),
+            "tool_choice": body.echo_tool_choice(), "tools": body.echo_tools(),
+            "top_p": params.top_p, "truncation": "disabled", "usage": None, "user": None,
+            "metadata": body.metadata or {}})
+
+        async def finish(tally: Tally) -> list[dict[str, Any]]:
+            """The closing events; the response is stored before they are sent."""
+            c = tally.choices[0]
+            usage = usage_object(c.num_prompt_tokens, c.num_completion_tokens,
+                                 c.num_cached_tokens)
+            flare = {**flare_extension(tally), "continuation": continuation}
+            final = events.finish(c.finish_reason == "length", usage, {"flare": flare})
+            if body.store:
+                done = events.response
+                rec = StoredResponse(
+                    id=response_id, body=done, instructions=instructions,
+                    messages=history + new + output_messages(done["output"]),
+                    text=text + tokenizer.decode(generated, skip_special_tokens=False,
+                                                 clean_up_tokenization_spaces=False),
+                    tokens=prompt_ids + generated)
+                await keep(rec, body.previous_response_id, session)
+            return final
+
+        if body.stream:
+            return ClosingStreamingResponse(
+                _sse(stream, events, make_parser, finish), media_type="text/event-stream",
+                headers=SSE_HEADERS)
+
+        try:
+            tally = await gen.collect(request, stream, 1)
+        except RequestRejected as e:
+            raise ApiError(400, str(e), param="input") from e
+        if tally is None:
+            return Response(status_code=499)  # client closed the request; nobody reads this
+        events.push(_parse(make_parser, tally.choices[0].text))
+        await finish(tally)
+        return JSONResponse(events.response)
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        """A stored response; 404 when it is unknown, deleted or forgotten."""
+        rec = store.get(response_id)
+        if rec is None:
+            raise _not_found(response_id)
+        return rec.body
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        """Forget a stored response and its session (its state then ages out)."""
+        if not await asyncio.to_thread(store.delete, response_id):
+            raise _not_found(response_id)
+        await forget_session(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router
+
+
+def _parse(make_parser: Any, text: str) -> list[Event]:
+    """A whole reply as parser events (the streamed path's events, in one piece)."""
+    if make_parser is None:
+        return [ContentEvent(text)]
+    try:
+        parser = make_parser()
+        return parser.push(text) + parser.finish()
+    except Exception:  # a parser bug must not cost the answer: return it as text
+        log.exception("tool-call parser failed; returning the text as content")
+        return [ContentEvent(text)]
+
+
+async def _sse(outputs: Any, events: ResponseEvents, make_parser: Any, finish: Any) -> Any:
+    """The SSE body of a streamed response (module docstring of responses_protocol)."""
+    parser = make_parser() if make_parser is not None else None
+    tally = Tally(1)
+    try:
+        for ev in events.start():
+            yield sse_bytes(ev)
+        async for index, out in outputs:
+            tally.add(index, out)
+            if parser is None:
+                parsed: list[Event] = [ContentEvent(out.text)] if out.text else []
+            else:
+                parsed = parser.push(out.text) if out.text else []
+                if out.finished:
+                    parsed += parser.finish()
+            for ev in events.push(parsed):
+                yield sse_bytes(ev)
+            if out.finished:
+                for ev in await finish(tally):
+                    yield sse_bytes(ev)
+    except ApiError as e:
+        for ev in events.fail(e.message, e.code or "server_error"):
+            yield sse_bytes(ev)
+    except Exception:  # the stream has begun: report in-band, keep the server serving
+        log.exception("streamed response failed")
+        for ev in events.fail("internal server error"):
+            yield sse_bytes(ev)
+    finally:
+        await outputs.aclose()
+

@@ -1,0 +1,469 @@
+"""OpenAI Responses API: the request schema, input items -> chat messages, and the
+response object and its stream events (docs/agents.md, "Responses API").
+
+Pure conversions, no engine: `flare.server.responses` serves them.
+
+Input items (`input` as a string is one user message):
+- `{"type": "message", "role": "user" | "assistant" | "system" | "developer", "content":
+  str | [{"type": "input_text" | "output_text", "text"}]}` (`type` may be left out, as the
+  SDK's "easy" input messages do); parts are joined with "\\n", as chat text parts are;
+- `{"type": "function_call", "call_id", "name", "arguments"}`: a call of the assistant; it
+  joins the assistant message right before it (the order a response's own output has),
+  else starts an assistant message without content;
+- `{"type": "function_call_output", "call_id", "output"}`: a `tool` message answering that
+  call (which must be an earlier call of the conversation).
+Any other item or content type is a 400 naming `input[i].type` or
+`input[i].content[j].type`.
+
+Stream events (`ResponseEvents`): `response.created`, `response.in_progress`, then per
+output item `response.output_item.added`, for a message `response.content_part.added`,
+`response.output_text.delta`..., `response.output_text.done`,
+`response.content_part.done`, for a call `response.function_call_arguments.delta`,
+`response.function_call_arguments.done`, then `response.output_item.done`; last
+`response.completed` (or `response.incomplete` when the output was cut by
+`max_output_tokens` or the context, as OpenAI does). Each event carries its
+`sequence_number`; on the wire it is `event: <type>\\ndata: <json>\\n\\n`. The non-streamed
+output is built by the same machine, so a stream reassembles into it exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from flare.server.protocol import ApiError, FunctionDefinition, _check_schema, _Request
+from flare.server.tool_calls import ContentEvent, Event, ToolCall
+
+RESPONSE_ID = r"resp_[0-9a-f]{32}"
+MESSAGE_ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class ResponseFunctionTool(FunctionDefinition):
+    """A flat function tool: `{"type": "function", "name", "description", "parameters",
+    "strict"}`."""
+
+    type: Literal["function"]
+
+
+class NamedFunctionChoice(_Request):
+    """`tool_choice: {"type": "function", "name": ...}`."""
+
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Request):
+    """`text.format`: plain text, any JSON object, or JSON valid for a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            _check_schema(v)
+        return v
+
+
+class TextConfig(_Request):
+    """`text`: its `format` (`verbosity` and other fields are accepted and ignored)."""
+
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    """POST /v1/responses body (fields Flare reads; others are ignored, as agents send
+    many: `reasoning`, `include`, `truncation`, `prompt_cache_key`, `user`, ...).
+
+    Refused: `background: true`, `conversation`, `prompt` (stored prompt templates):
+    a 400 naming the field.
+    """
+
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[ResponseFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+    @field_validator("background")
+    @classmethod
+    def _no_background(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("background responses are not supported; leave it false")
+        return v
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _unsupported(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("not supported by this server; send input (and "
+                             "previous_response_id) instead")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v: list[ResponseFunctionTool] | None):
+        names = [t.name for t in v or ()]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"two tools are named {dup!r}; names must be distinct")
+        return v or None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v: Any, info: Any) -> Any:
+        names = [t.name for t in info.data.get("tools") or ()]
+        if v == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if isinstance(v, NamedFunctionChoice) and v.name not in names:
+            raise ValueError(f"tool_choice names function {v.name!r}, which is not in tools "
+                             f"({', '.join(names) or 'none given'})")
+        return v
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """As chat's: "none" (not rendered, not parsed), "auto", "required", "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    @property
+    def forced_name(self) -> str | None:
+        return self.tool_choice.name if isinstance(self.tool_choice,
+                                                   NamedFunctionChoice) else None
+
+    @property
+    def answer_schema(self) -> dict[str, Any] | None:
+        """The JSON schema `text.format` asks for (json_object: any object), or None."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "object"}
+        return fmt.schema_ or {}
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The tools in chat's nested shape (what the chat renderer reads), or None when
+        they are not used (`tool_choice: "none"` or no tools)."""
+        if self.tool_mode == "none":
+            return None
+        return [{"type": "function", "function": t.model_dump(exclude={"type"},
+                                                                exclude_none=True)}
+                for t in self.tools or ()]
+
+    def echo_tools(self) -> list[dict[str, Any]]:
+        """The tools as the response object repeats them."""
+        return [{"type": "function", "name": t.name, "description": t.description,
+                 "parameters": t.parameters, "strict": t.strict} for t in self.tools or ()]
+
+    def echo_tool_choice(self) -> Any:
+        if isinstance(self.tool_choice, NamedFunctionChoice):
+            return {"type": "function", "name": self.tool_choice.name}
+        return self.tool_choice or "auto"
+
+    def echo_text(self) -> dict[str, Any]:
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None:
+            return {"format": {"type": "text"}}
+        return {"format": fmt.model_dump(by_alias=True, exclude_none=True)}
+
+
+def responses_param(chat_param: str | None) -> str | None:
+    """A chat parameter name (from the grammar) as the Responses request names it."""
+    if chat_param is None:
+        return None
+    if chat_param == "response_format":
+        return "text.format"
+    return chat_param.replace(".function.parameters", ".parameters")
+
+
+# --------------------------------------------------------------------------- input items
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined with "\\n"."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"Invalid type for '{where}': expected a string or a list of "
+                            f"text parts", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise ApiError(400, f"Invalid value for '{where}[{j}].type': {kind!r}; only "
+                                f"input_text and output_text parts are supported",
+                           param=f"{where}[{j}].type")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ApiError(400, f"Missing required parameter: '{where}[{j}].text'.",
+                           param=f"{where}[{j}].text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _field(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        kind = "Missing required parameter" if value is None else "Invalid type for"
+        raise ApiError(400, f"{kind}: '{where}.{key}' (a string).", param=f"{where}.{key}")
+    return value
+
+
+def input_messages(input: str | Sequence[Any], *, known_calls: Sequence[str] = ()
+                   ) -> tuple[list[dict[str, Any]], list[int]]:
+    """Chat messages (plain dicts, chat's shape) for Responses input items (module
+    docstring).
+
+    Args:
+        input: the request's `input`.
+        known_calls: call ids of the conversation before these items (a continued
+            response's history), which a function_call_output may answer too.
+
+    Returns:
+        (messages, origin): `origin[k]` is the index of the item message k comes from.
+
+    Raises:
+        ApiError: 400 naming the item field at fault.
+    """
+    if isinstance(input, str):
+        return [{"role": "user", "content": input}], [0]
+    messages: list[dict[str, Any]] = []
+    origin: list[int] = []
+    calls = set(known_calls)
+    last_assistant = -2  # item index of the item that made the last assistant message
+    for i, item in enumerate(input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"Invalid type for '{where}': expected an object.", param=where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise ApiError(400, f"Invalid value for '{where}.role': {role!r}; expected "
+                                    f"one of {', '.join(MESSAGE_ROLES)}", param=f"{where}.role")
+            if "content" not in item:
+                raise ApiError(400, f"Missing required parameter: '{where}.content'.",
+                               param=f"{where}.content")
+            messages.append({"role": role, "content": _text_of(item["content"],
+                                                                 f"{where}.content")})
+            origin.append(i)
+            if role == "assistant":
+                last_assistant = i
+        elif kind == "function_call":
+            call = {"id": _field(item, "call_id", where), "type": "function",
+                    "function": {"name": _field(item, "name", where),
+                                 "arguments": _arguments(item.get("arguments"), where)}}
+            calls.add(call["id"])
+            if last_assistant == i - 1 and messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origin.append(i)
+            last_assistant = i
+        elif kind == "function_call_output":
+            call_id = _field(item, "call_id", where)
+            if call_id not in calls:
+                raise ApiError(400, f"Invalid value for '{where}.call_id': {call_id!r} "
+                                    f"answers no earlier function_call of the conversation",
+                               param=f"{where}.call_id")
+            output = item.get("output")
+            if output is None:
+                raise ApiError(400, f"Missing required parameter: '{where}.output'.",
+                               param=f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": _text_of(output, f"{where}.output")})
+            origin.append(i)
+        else:
+            raise ApiError(400, f"Invalid value for '{where}.type': {kind!r}; this server "
+                                f"accepts message, function_call and function_call_output "
+                                f"items", param=f"{where}.type")
+    if not messages:
+        raise ApiError(400, "input has no items.", param="input")
+    return messages, origin
+
+
+def _arguments(value: Any, where: str) -> str:
+    if isinstance(value, dict):
+        return json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str):
+        raise ApiError(400, f"Invalid type for '{where}.arguments': expected a JSON string.",
+                       param=f"{where}.arguments")
+    return value
+
+
+def call_ids(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """Ids of every tool call in chat messages."""
+    return [c["id"] for m in messages for c in m.get("tool_calls") or ()]
+
+
+def output_messages(output: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages the conversation continues with."""
+    messages, _ = input_messages(list(output)) if output else ([], [])
+    return messages
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_item_id(prefix: str) -> str:
+    """An output item id: `msg_...`, `fc_...`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage_object(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The Responses `usage` object."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def sse_bytes(event: dict[str, Any]) -> str:
+    """One Responses SSE event: `event: <type>\\ndata: <compact JSON>\\n\\n`."""
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n"
+
+
+class ResponseEvents:
+    """Builds a response's output items and its stream events from parser events.
+
+    Args:
+        response: the response object so far (status "in_progress", `output` empty); it is
+            copied into the lifecycle events and completed by `finish`.
+    """
+
+    def __init__(self, response: dict[str, Any]) -> None:
+        self.response = response
+        self.output: list[dict[str, Any]] = []
+        self._seq = 0
+        self._open: int | None = None  # output index of the message being written
+
+    def _event(self, type: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": type, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {**self.response, "output": json.loads(json.dumps(self.output))}
+
+    def start(self) -> list[dict[str, Any]]:
+        """`response.created` and `response.in_progress`."""
+        return [self._event("response.created", response=self._snapshot()),
+                self._event("response.in_progress", response=self._snapshot())]
+
+    def push(self, events: Sequence[Event]) -> list[dict[str, Any]]:
+        """Stream events for parser events (content text, complete calls)."""
+        out: list[dict[str, Any]] = []
+        for ev in events:
+            if isinstance(ev, ContentEvent):
+                if ev.text:
+                    out += self._text(ev.text)
+            else:
+                out += self._call(ev.call)
+        return out
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self._open = len(self.output)
+        item = {"type": "message", "id": new_item_id("msg"), "status": "in_progress",
+                "role": "assistant", "content": []}
+        self.output.append(item)
+        out = [self._event("response.output_item.added", output_index=self._open,
+                           item=json.loads(json.dumps(item)))]
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item["content"].append(part)
+        out.append(self._event("response.content_part.added", item_id=item["id"],
+                               output_index=self._open, content_index=0, part=dict(part)))
+        return out
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        out = self._open_message() if self._open is None else []
+        item = self.output[self._open]
+        item["content"][0]["text"] += text
+        out.append(self._event("response.output_text.delta", item_id=item["id"],
+                               output_index=self._open, content_index=0, delta=text,
+                               logprobs=[]))
+        return out
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        item = self.output[index]
+        part = item["content"][0]
+        item["status"] = status
+        return [
+            self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                        content_index=0, text=part["text"], logprobs=[]),
+            self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                        content_index=0, part=dict(part)),
+            self._event("response.output_item.done", output_index=index,
+                        item=json.loads(json.dumps(item))),
+        ]
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        out = self._close_message("completed")
+        index = len(self.output)
+        item = {"type": "function_call", "id": new_item_id("fc"), "call_id": call.id,
+                "name": call.name, "arguments": "", "status": "in_progress"}
+        self.output.append(item)
+        out.append(self._event("response.output_item.added", output_index=index,
+                               item=dict(item)))
+        out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                               output_index=index, delta=call.arguments))
+        item.update(arguments=call.arguments, status="completed")
+        out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                               output_index=index, name=call.name, arguments=call.arguments))
+        out.append(self._event("response.output_item.done", output_index=index,
+                               item=dict(item)))
+        return out
+
+    def finish(self, incomplete: bool, usage: dict[str, Any],
+               extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Close the open message and complete the response: `response.completed`, or
+        `response.incomplete` (reason `max_output_tokens`) when `incomplete`. A response
+        with no output at all gets an empty message, as OpenAI's does."""
+        out: list[dict[str, Any]] = []
+        if not self.output:
+            out += self._open_message()
+        out += self._close_message("incomplete" if incomplete else "completed")
+        self.response.update(
+            status="incomplete" if incomplete else "completed", usage=usage,
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            **(extra or {}))
+        self.response["output"] = self.output
+        kind = "response.incomplete" if incomplete else "response.completed"
+        out.append(self._event(kind, response=self._snapshot()))
+        return out
+
+    def fail(self, message: str, code: str = "server_error") -> list[dict[str, Any]]:
+        """`response.failed`: the engine failed the request after the stream began."""
+        self.response.update(status="failed", error={"code": code, "message": message})
+        return [self._event("response.failed", response=self._snapshot())]

@@ -265,11 +265,14 @@ def test_q4_applies_only_where_the_kernel_serves_it(monkeypatch, fmt):
 @pytest.mark.parametrize("pack", [False, True])
 def test_linear_falls_back_to_dense_without_the_kernel(monkeypatch, pack):
     import flare.kernels
+    import flare.models.quant
 
     def unavailable():
         raise flare.kernels.KernelUnavailable("no C++ compiler")
 
     monkeypatch.setattr(flare.kernels, "qgemm", unavailable)
+    # a machine without the kernels: the dense GEMMs are unavailable too (looked up once)
+    monkeypatch.setattr(flare.models.quant, "_DENSE", None)
     q = quantize_q4(torch.randn(16, 64))
     if pack:
         q = Q4x8Weight.pack(q)

@@ -23,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+import flare
 from flare.cache_dir import default_cache_dir
 from flare.cliutil import (OneLineParser, non_negative_int, port, positive_int,
                            positive_seconds)
@@ -78,9 +79,24 @@ def _add_server_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=port, default=8000, help="TCP port (default 8000)")
 
 
+def _torch_version() -> str:
+    """torch's version without importing torch (a second of start-up for --version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="flare", description="Local LLM inference server.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    parser = OneLineParser(
+        prog="flare", description="Local LLM inference server.",
+        epilog="start with: flare serve --embedded (the embedded SmolLM2 on 127.0.0.1:8000); "
+               "flare COMMAND --help for a command's options")
+    parser.add_argument("--version", action="version",
+                        version=f"flare {flare.__version__} (torch {_torch_version()})")
+    sub = parser.add_subparsers(dest="command", parser_class=OneLineParser)
 
     prep = sub.add_parser("prepare", help="build a runtime package from a model")
     prep.add_argument("model", help="a .gguf file, a Hugging Face folder, or 'embedded'")
@@ -267,7 +283,11 @@ def cmd_evidence(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `flare` script. Returns the exit status (0 ok, 2 bad input)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # plain `flare`: what it can do, not a bare usage error
+        parser.print_help()
+        return EXIT_USAGE
     handlers = {"prepare": cmd_prepare, "serve": cmd_serve,
                 "qualify": cmd_qualify, "evidence": cmd_evidence}
     try:

@@ -35,7 +35,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from flare.server.protocol import ApiError, FunctionDefinition, _check_schema, _Request
+from flare.server.protocol import (ApiError, FunctionDefinition, ParamError, _check_schema,
+                                   _Request)
 from flare.server.tool_calls import ContentEvent, Event, ToolCall
 
 RESPONSE_ID = r"resp_[0-9a-f]{32}"
@@ -122,6 +123,16 @@ class ResponsesRequest(_Request):
         if v is not None:
             raise ValueError("not supported by this server; send input (and "
                              "previous_response_id) instead")
+        return v
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _functions_only(cls, v: Any) -> Any:
+        for i, tool in enumerate(v if isinstance(v, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ParamError(f"tools[{i}].type", f"tool type {kind!r} is not supported; "
+                                 f"this server runs function tools only")
         return v
 
     @field_validator("tools")

@@ -226,7 +226,8 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
     has_sessions = core is not None and hasattr(core, "sessions") and hasattr(core, "pins")
     folder = None
     if has_sessions and getattr(core.sessions, "path", None) is not None:
-        folder = core.sessions.path.parent / f"responses-{core.sessions.namespace[:16] or 'default'}"
+        digest = core.sessions.namespace[:16] or "default"
+        folder = core.sessions.path.parent / f"responses-{digest}"
     store = ResponseStore(folder)
     background: set[asyncio.Task] = set()
     tokenizer = engine.tokenizer

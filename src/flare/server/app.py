@@ -38,32 +38,25 @@ import asyncio
 import logging
 import signal
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flare.runtime.engine import RequestRejected
-from flare.runtime.request import GenerationRequest, RequestOutput
-from flare.server.chat import ChatTemplateError, chat_prompt_ids
-from flare.server.grammar import (
-    GrammarCompiler,
-    GrammarConstraint,
-    GrammarError,
-    json_grammar,
-    tool_call_grammar,
-)
-from flare.server.guard import (PromptBound, RequestGuard, ServerCounters, check_message_count,
-                               with_deadline)
+from flare.runtime.request import GenerationRequest
+from flare.server.generation import (SSE_HEADERS, ClosingStreamingResponse, GenerationCore,
+                                     new_id)
+from flare.server.grammar import GrammarConstraint
+from flare.server.guard import RequestGuard, ServerCounters, check_message_count
 from flare.server.logprobs import chat_logprobs, completion_logprobs
 from flare.server.protocol import (
     ApiError,
@@ -84,18 +77,14 @@ from flare.server.protocol import (
 from flare.server.sessions import sessions_router
 from flare.server.streaming import (
     ChunkBuilder,
-    Tally,
     api_finish_reason,
     flare_extension,
-    merge_streams,
     sse_stream,
 )
 from flare.server.tool_calls import ParsedMessage, ToolCallParser
-from flare.server.tool_formats import TOOL_PARSERS, get_format
+from flare.server.tool_formats import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -181,55 +170,6 @@ class _EngineCollector(Collector):
                 yield GaugeMetricFamily(f"flare_{key}", doc, value=value)
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator.
-
-    Starlette cancels the sending task when the client disconnects; if the iterator was
-    suspended at a `yield` it would only be closed when garbage-collected. Closing it here
-    aborts the engine requests at once, so their pages are freed at the engine's next step.
-    """
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # After the body has been read, the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> tuple[bool, T | None]:
-    """Run `work` until it completes or the client disconnects (then `work` is cancelled).
-
-    Returns:
-        (True, result) when `work` completed, (False, None) when the client left first.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return True, task.result()
-        return False, None
-    finally:
-        task.cancel()
-        watcher.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 # --------------------------------------------------------------------------- the app
 
 
@@ -244,17 +184,13 @@ def create_app(
         owns_engine: shut the engine down when the app shuts down.
     """
     settings = settings or ServerSettings()
-    template = getattr(engine.tokenizer, "chat_template", None)
-    tool_format = get_format(settings.tool_parser, template if isinstance(template, str) else None)
-    grammars = GrammarCompiler(engine.tokenizer, getattr(engine, "eos_token_ids", ()))
-    served_name = settings.served_model_name or engine.model_name
-    accepted_names = {n for n in (served_name, engine.model_name, engine.package_id) if n}
     started = int(time.time())
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(engine))
     counters = ServerCounters()
     registry.register(counters)
-    prompt_bound = PromptBound(engine.tokenizer, engine.plan.max_seq_len)
+    core = GenerationCore(engine, settings, counters)  # shared by every API surface
+    tool_format, served_name = core.tool_format, core.served_name
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -299,25 +235,7 @@ def create_app(
 
     # ---- request preparation --------------------------------------------------------
 
-    def check_model(name: str) -> None:
-        if name not in accepted_names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
-                                f"'{served_name}'.", param="model", code="model_not_found")
-
-    def completion_budget(req: ChatCompletionRequest | CompletionRequest, num_prompt: int,
-                          param: str) -> int:
-        """max_tokens after the context-length policy (module docstring)."""
-        limit = engine.plan.max_seq_len
-        if num_prompt >= limit:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"prompt has {num_prompt} tokens, which leaves no room for a completion "
-                f"(the prompt must have fewer than {limit} tokens).",
-                param=param, code="context_length_exceeded")
-        remaining = limit - num_prompt
-        requested = req.requested_max_tokens
-        return remaining if requested is None else min(requested, remaining)
+    check_model = core.check_model
 
     def check_session(req: ChatCompletionRequest | CompletionRequest, num_tokens: int) -> None:
         """A named session must be able to pin its state (docs/api-extensions.md)."""
@@ -344,14 +262,14 @@ def create_app(
     def engine_requests(req: ChatCompletionRequest | CompletionRequest, response_id: str,
                         prompt_ids: list[int], max_tokens: int, arrival_ns: int,
                         constraints: list[GrammarConstraint] | None,
-                        ) -> list[AsyncIterator[RequestOutput]]:
+                        ) -> list[GenerationRequest]:
         return [
-            engine.generate(GenerationRequest(
+            GenerationRequest(
                 request_id=f"{response_id}-{i}", prompt_token_ids=prompt_ids,
                 params=req.sampling_params(max_tokens, choice_index=i),
                 arrival_ns=arrival_ns,
                 constraint=constraints[i] if constraints else None,
-                session=req.session if i == 0 else None))  # choice 0 continues a session
+                session=req.session if i == 0 else None)  # choice 0 continues a session
             for i in range(req.n)
         ]
 
@@ -370,29 +288,11 @@ def create_app(
         elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
             answer = rf.json_schema.schema_
         specs = [(t.function.name, t.function.parameters) for t in req.tools or ()]
-        parallel = req.parallel_tool_calls is not False
-        if mode in ("required", "named"):
-            grammar, parts = tool_call_grammar(tool_format, specs, only=req.forced_tool_name,
-                                               parallel=parallel)
-        elif answer is not None and mode == "auto":
-            grammar, parts = tool_call_grammar(tool_format, specs, parallel=parallel,
-                                               answer_schema=answer)
-        elif answer is not None:
-            grammar, parts = json_grammar(answer)
-        else:
-            return None
-        try:
-            first = await asyncio.to_thread(grammars.compile, grammar, parts)
-        except GrammarError as e:
-            raise ApiError(400, str(e), param=e.param, code="unsupported_schema") from e
-        return grammars.copies(first, req.n)
+        return await core.constraints(specs, mode, only=req.forced_tool_name,
+                                      parallel=req.parallel_tool_calls is not False,
+                                      answer=answer, n=req.n)
 
-    def parse_choice(make_parser: Any, text: str) -> ParsedMessage:
-        try:
-            return make_parser().parse(text)
-        except Exception:  # a parser bug must not cost the answer: return it as text
-            log.exception("tool-call parser failed; returning the text as content")
-            return ParsedMessage(content=text)
+    parse_choice = core.parse
 
     async def run(request: Request, req: ChatCompletionRequest | CompletionRequest,
                   kind: Literal["chat", "completion"], prompt_ids: list[int],
@@ -401,41 +301,28 @@ def create_app(
         """Generate and answer. `make_parser()` gives a fresh `ToolCallParser` per choice
         when the reply may hold tool calls."""
         param = "messages" if kind == "chat" else "prompt"
-        max_tokens = completion_budget(req, len(prompt_ids), param)
+        max_tokens = core.completion_budget(req.requested_max_tokens, len(prompt_ids), param)
         check_session(req, len(prompt_ids) + max_tokens)
         check_logit_bias(req)
-        response_id = _new_id("chatcmpl" if kind == "chat" else "cmpl")
+        response_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         created = int(time.time())
-        streams = engine_requests(req, response_id, prompt_ids, max_tokens, arrival_ns,
-                                  constraints)
-        outputs = merge_streams(streams)
-        if settings.request_timeout_s is not None:
-            deadline = arrival_ns / 1e9 + settings.request_timeout_s  # monotonic clock, s
-            outputs = with_deadline(outputs, deadline, settings.request_timeout_s, counters)
+        outputs = core.generate(engine_requests(req, response_id, prompt_ids, max_tokens,
+                                                arrival_ns, constraints), arrival_ns)
 
         if req.stream:
             builder = ChunkBuilder(kind, response_id, served_name, created, engine.package_id,
                                    req.include_usage, tokenizer=engine.tokenizer)
             parsers: list[ToolCallParser | None] | None = (
                 [make_parser() for _ in range(req.n)] if make_parser else None)
-            return _ClosingStreamingResponse(
+            return ClosingStreamingResponse(
                 sse_stream(outputs, builder, req.n, parsers), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-        async def collect() -> Tally:
-            tally = Tally(req.n)
-            try:
-                async for index, out in outputs:
-                    tally.add(index, out)
-            finally:
-                await outputs.aclose()
-            return tally
+                headers=SSE_HEADERS)
 
         try:
-            completed, tally = await _unless_disconnected(request, collect())
+            tally = await core.collect(request, outputs, req.n)
         except RequestRejected as e:  # checked above already; the engine has the last word
             raise ApiError(400, str(e), param=param) from e
-        if not completed or tally is None:
+        if tally is None:
             return Response(status_code=499)  # client closed the request; nobody reads this
         usage = tally.usage()
         if kind == "chat":
@@ -475,23 +362,15 @@ def create_app(
         check_model(body.model)
         check_n(body.n)
         check_message_count(len(body.messages), settings.max_messages)
-        prompt_bound.check(sum(len(m.content or "") for m in body.messages), "messages")
+        core.prompt_bound.check(sum(len(m.content or "") for m in body.messages), "messages")
         mode = body.tool_mode
         tools = body.tools if mode != "none" else None
-        try:  # off the event loop: a multi-MB prompt takes seconds to render and tokenize
-            prompt_ids = await asyncio.to_thread(chat_prompt_ids, engine.tokenizer,
-                                                 body.messages, tools, tool_format)
-        except ChatTemplateError as e:
-            param = f"messages[{e.message_index}]" if e.message_index is not None else "messages"
-            raise ApiError(400, str(e), param=param, code="invalid_chat_template_input") from e
-        except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape ("\ud800")
-            raise ApiError(400, f"message text cannot be encoded: {e}", param="messages") from e
+        prompt_ids = await core.chat_prompt_ids(body.messages, tools)
         constraints = await constraints_for(body)
         make_parser = None
         if tools:
-            names = [t.function.name for t in tools]
-            max_calls = 1 if body.parallel_tool_calls is False else None
-            make_parser = lambda: tool_format.parser(names, max_calls)  # noqa: E731
+            make_parser = core.parser_factory([t.function.name for t in tools],
+                                              1 if body.parallel_tool_calls is False else None)
         return await run(request, body, "chat", prompt_ids, arrival_ns, constraints, make_parser)
 
     @app.post("/v1/completions")
@@ -504,7 +383,7 @@ def create_app(
         check_n(body.n)
         tokenizer = engine.tokenizer
         if isinstance(body.prompt, str):
-            prompt_bound.check(len(body.prompt), "prompt")
+            core.prompt_bound.check(len(body.prompt), "prompt")
             try:
                 prompt_ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt))
             except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape

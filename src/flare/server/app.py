@@ -53,6 +53,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flare.runtime.engine import RequestRejected
 from flare.runtime.request import GenerationRequest
+from flare.server.anthropic.routes import messages_router
 from flare.server.generation import (SSE_HEADERS, ClosingStreamingResponse, GenerationCore,
                                      new_id)
 from flare.server.grammar import GrammarConstraint
@@ -207,6 +208,7 @@ def create_app(
                        max_queue=settings.max_queue, counters=counters)
     app.state.engine = engine
     app.include_router(sessions_router(engine))
+    app.include_router(messages_router(core))  # /v1/messages (Anthropic)
     app.state.settings = settings
     app.state.registry = registry
     app.state.tool_format = tool_format

@@ -3,10 +3,11 @@
 The middleware runs before FastAPI parses anything, so an oversized or unauthorized request
 costs the server nothing. Every refusal is an OpenAI-style error body:
 
-- 401 `invalid_api_key`: a key is set (`--api-key` or `FLARE_API_KEY`) and the request's
-  `Authorization: Bearer <key>` is missing or wrong, on every `/v1` route. The compare is
-  `hmac.compare_digest` (constant time). `/health` is always open; `/metrics` and
-  `/debug/state` are open unless `protect_metrics`.
+- 401 `invalid_api_key`: a key is set (`--api-key` or `FLARE_API_KEY`) and the request
+  has neither `Authorization: Bearer <key>` nor `x-api-key: <key>` (Anthropic's header) with
+  it, on every `/v1` route. The compare is `hmac.compare_digest` (constant time).
+  `/health` is always open; `/metrics` and `/debug/state` are open unless
+  `protect_metrics`.
 - 413 `request_too_large`: the body exceeds `max_body_bytes` (by Content-Length, or while
   a chunked body is read).
 - 429 `queue_full` with `Retry-After`: more requests are waiting than `max_queue` (the
@@ -29,6 +30,9 @@ Limits the routes apply once the body is parsed (helpers below):
   (408 also tells HTTP clients the connection is being closed); the `openai` SDKs treat it
   as a server error and retry it (`max_retries`).
 
+On the Anthropic routes (`/v1/messages*`) the same refusals use Anthropic's error body
+(`flare.server.anthropic.errors`), and a full queue is 529 `overloaded_error`.
+
 `ServerCounters` counts what the engine never sees (responses by status, timeouts) for
 /metrics.
 """
@@ -48,6 +52,7 @@ from typing import Any, TypeVar
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from flare.server.anthropic import errors as anthropic_errors
 from flare.server.protocol import ApiError
 
 Scope = dict[str, Any]
@@ -228,16 +233,18 @@ class RequestGuard:
         send = self._counting(send)
         if self.api_key and self._needs_key(path) and not self._authorized(scope):
             await _refuse(send, 401, "Incorrect or missing API key: send "
-                          "'Authorization: Bearer <key>'.", "invalid_api_key")
+                          "'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                          "invalid_api_key", path=path)
             return
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await _refuse(send, 413, f"request body of {int(length):,} bytes exceeds the "
-                          f"limit of {self.max_body_bytes:,} bytes", "request_too_large")
+                          f"limit of {self.max_body_bytes:,} bytes", "request_too_large",
+                          path=path)
             return
         if scope.get("method") == "POST" and self.queue_length() >= self.max_queue:
             await _refuse(send, 429, f"{self.max_queue} requests are already waiting; retry "
-                          "shortly", "queue_full", retry_after=1)
+                          "shortly", "queue_full", retry_after=1, path=path)
             return
         seen = 0
         started = False
@@ -261,14 +268,14 @@ class RequestGuard:
         except _BodyTooLarge:
             if not started:
                 await _refuse(send, 413, f"request body exceeds the limit of "
-                              f"{self.max_body_bytes:,} bytes", "request_too_large")
+                              f"{self.max_body_bytes:,} bytes", "request_too_large", path=path)
         except Exception:
             # answered here, not re-raised: an exception that reaches the server's outermost
             # layer makes uvicorn drop the keep-alive connection after the 500
             log.exception("unexpected error on %s", path)
             if not started:
                 await _refuse(send, 500, "internal server error", "internal_error",
-                              kind="server_error")
+                              kind="server_error", path=path)
 
     def _counting(self, send: Send) -> Send:
         counters = self.counters
@@ -290,9 +297,14 @@ class RequestGuard:
         return True
 
     def _authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer <key>` (OpenAI's) or `x-api-key: <key>` (Anthropic's)."""
+        expected = self.api_key or ""
         auth = _header(scope, b"authorization") or ""
         scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and keys_match(token.strip(), self.api_key or "")
+        if scheme.lower() == "bearer" and keys_match(token.strip(), expected):
+            return True
+        key = _header(scope, b"x-api-key")
+        return key is not None and keys_match(key.strip(), expected)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -303,10 +315,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 async def _refuse(send: Send, status: int, message: str, code: str,
-                  retry_after: int | None = None, kind: str | None = None) -> None:
-    kind = kind or ("invalid_request_error" if status != 429 else "rate_limit_error")
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}}).encode()
+                  retry_after: int | None = None, kind: str | None = None,
+                  path: str = "") -> None:
+    if anthropic_errors.is_messages_path(path):
+        if code == "queue_full":
+            status = anthropic_errors.OVERLOADED_STATUS
+        payload: dict[str, Any] = anthropic_errors.error_body(status, message)
+    else:
+        kind = kind or ("invalid_request_error" if status != 429 else "rate_limit_error")
+        payload = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if retry_after is not None:

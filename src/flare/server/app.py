@@ -75,6 +75,7 @@ from flare.server.protocol import (
     error_body,
     validation_error,
 )
+from flare.server.responses import responses_router
 from flare.server.sessions import sessions_router
 from flare.server.streaming import (
     ChunkBuilder,
@@ -208,6 +209,7 @@ def create_app(
                        max_queue=settings.max_queue, counters=counters)
     app.state.engine = engine
     app.include_router(sessions_router(engine))
+    app.include_router(responses_router(engine, core, settings))  # /v1/responses
     app.include_router(messages_router(core))  # /v1/messages (Anthropic)
     app.state.settings = settings
     app.state.registry = registry

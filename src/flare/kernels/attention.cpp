@@ -51,7 +51,7 @@ using flare_simd::hsum8x8;
 
 constexpr int64_t KEY_BLOCK = 64;  // keys per block: 64 x D=64 floats of K or V = 16 KB
 constexpr int MAX_TILE_ROWS = 48;  // query rows sharing each key block
-constexpr int64_t PARALLEL_MIN_WORK = 16384;  // (query row, key) pairs worth two threads
+constexpr int64_t PARALLEL_MIN_WORK = 4096;  // (query row, key) pairs worth two threads
 
 // A tile: up to MAX_TILE_ROWS query rows over one KV head's keys, row r attending keys
 // [0, n[r]). `p` holds each row's scores, then probabilities (stride `pstride`).

@@ -296,6 +296,50 @@ def test_cpu_problem_reads_the_flags(monkeypatch, tmp_path):
     assert "x86-64" in K.cpu_problem()
 
 
+def test_build_key_names_the_cpu(monkeypatch):
+    """The kernel cache key changes with the CPU flags that matter (AVX-512, VNNI, AMX,
+    AVX2 / FMA / F16C) and with the instruction-set target, and not with flags that do
+    not: a cache folder shared between machines never loads a build for another CPU."""
+    import flare.kernels as K
+
+    base = "fpu sse2 avx avx2 fma f16c bmi2"
+    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset(base.split()))
+    avx2 = K.build_key()
+    assert K.key_cpu_flags(frozenset(base.split() + ["sse4_2", "ht"])) == \
+        ["avx", "avx2", "bmi2", "f16c", "fma"]
+    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset((base + " ht sse4_2").split()))
+    assert K.build_key() == avx2  # flags that decide nothing leave the key alone
+    keys = {avx2}
+    for extra in ("avx512f avx512bw avx512_vnni", "avx_vnni", "amx_tile amx_int8"):
+        monkeypatch.setattr(K, "cpu_flags",
+                            lambda e=extra: frozenset((base + " " + e).split()))
+        keys.add(K.build_key())
+    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset("fpu sse2 avx avx2 fma".split()))
+    keys.add(K.build_key())  # no f16c
+    assert len(keys) == 5
+    monkeypatch.setattr(K, "cpu_flags", lambda: frozenset(base.split()))
+    monkeypatch.setattr(K, "ISA_TARGET", "x86-64+avx512f+avx512bw")
+    assert K.build_key() not in keys
+    monkeypatch.setattr(K, "ISA_TARGET", "x86-64+avx2+fma+f16c")
+    assert K.build_key() == avx2
+
+
+def test_cpu_flags_reads_proc_cpuinfo(monkeypatch, tmp_path):
+    import flare.kernels as K
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor : 0\nflags : fpu avx2 avx512f amx_tile\nprocessor : 1\n"
+                    "flags : fpu\n")
+    real = K.Path
+    monkeypatch.setattr(K, "Path", lambda p: fake if p == "/proc/cpuinfo" else real(p))
+    assert K.cpu_flags() == {"fpu", "avx2", "avx512f", "amx_tile"}
+    assert K.key_cpu_flags(K.cpu_flags()) == ["amx_tile", "avx2", "avx512f"]
+    monkeypatch.setattr(K, "Path", lambda p: tmp_path / "missing" if p == "/proc/cpuinfo"
+                        else real(p))
+    assert K.cpu_flags() is None
+    assert K.key_cpu_flags(None)[0].startswith("cap:")
+
+
 # ---- packages and engines -----------------------------------------------------------------
 
 def _greedy(engine: Engine, ids: list[int], n: int = 12) -> list[int]:

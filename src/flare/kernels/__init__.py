@@ -17,7 +17,10 @@ module's libgomp.so.1 is the copy torch loaded, no second runtime) into
 
 where <cache> is Flare's cache folder (`flare.cache_dir.default_cache_dir`: $FLARE_CACHE_DIR,
 else $XDG_CACHE_HOME/flare, else ~/.cache/flare) and <key> hashes every source file, the
-compiler flags, the torch and Python versions. A build runs in a private temporary
+compiler flags, the torch and Python versions, the machine, the instruction-set target
+(`ISA_TARGET`) and the CPU's flags that decide what a build may run (`KEY_CPU_FLAGS`,
+from /proc/cpuinfo): a cache folder shared between different machines (an NFS home, a
+copied image) never loads a module built for another CPU. A build runs in a private temporary
 sibling folder that is renamed into place when complete, so two processes building at
 once both succeed (the loser of the rename discards its copy) and a reader never sees a
 half-built module. Later processes import the cached module directly (no compiler or
@@ -52,6 +55,13 @@ HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # includ
 # so the kernels share torch's thread pool and its torch.set_num_threads setting.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+# The instruction sets the build targets (the -m flags above), part of the cache key.
+ISA_TARGET = "x86-64+" + "+".join(f[2:] for f in CFLAGS if f.startswith("-m"))
+# /proc/cpuinfo flags that decide which kernels a CPU can run (now or in per-variant
+# builds), part of the cache key: exact names, and every flag starting with a prefix.
+KEY_CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx_vnni_int8",
+                 "avx_ifma", "avx_ne_convert")
+KEY_CPU_FLAG_PREFIXES = ("avx512", "amx")
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +73,29 @@ class KernelUnavailable(RuntimeError):
     """Flare's C++ kernels cannot run here; the message says why (CPU, compiler, build)."""
 
 
+def cpu_flags() -> frozenset[str] | None:
+    """The `flags` line of /proc/cpuinfo (first processor) as a set, or None where the
+    file cannot be read (not Linux); an empty set when it has no flags line."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def key_cpu_flags(flags: frozenset[str] | None) -> list[str]:
+    """The flags of `flags` that go into the cache key (`KEY_CPU_FLAGS`, and every
+    `KEY_CPU_FLAG_PREFIXES` flag), sorted; where /proc/cpuinfo is unreadable (None),
+    torch's detected CPU capability instead ("cap:AVX2", ...)."""
+    if flags is None:
+        return [f"cap:{torch.backends.cpu.get_cpu_capability()}"]
+    return sorted(f for f in flags
+                  if f in KEY_CPU_FLAGS or f.startswith(KEY_CPU_FLAG_PREFIXES))
+
+
 def cpu_problem() -> str | None:
     """Why this CPU cannot run the AVX2/FMA kernels, or None when it can.
 
@@ -71,18 +104,12 @@ def cpu_problem() -> str | None:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}, the kernels need x86-64 with AVX2 and FMA"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    flags = cpu_flags()
+    if flags is None:
         cap = torch.backends.cpu.get_cpu_capability()
         if cap not in ("AVX2", "AVX512"):
             return f"the CPU lacks AVX2/FMA (torch capability {cap})"
         return None
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
     missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     if missing:
         return f"the CPU lacks {' and '.join(missing)} (from /proc/cpuinfo)"
@@ -95,12 +122,15 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """16 hex digits identifying a build: every source and header, flags, torch, Python, machine."""
+    """16 hex digits identifying a build: every source and header, compiler flags, torch,
+    Python, the machine, the instruction-set target (`ISA_TARGET`) and this CPU's flags
+    that matter (`key_cpu_flags`), so a module built on another CPU is never loaded."""
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
     h.update("\0".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version.split()[0],
-                                 platform.machine()]).encode())
+                                 platform.machine(), "isa=" + ISA_TARGET,
+                                 "cpu=" + ",".join(key_cpu_flags(cpu_flags()))]).encode())
     return h.hexdigest()[:16]
 
 

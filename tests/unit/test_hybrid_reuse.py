@@ -103,15 +103,16 @@ def test_reuse_around_grid_checkpoints_equals_recompute(tiny, cold, common):
     assert_idle_accounting(engine)
 
 
-def test_same_prompt_twice_reuses_the_largest_checkpoint_below_its_length(tiny, cold):
+def test_same_prompt_twice_reuses_all_but_its_last_token(tiny, cold):
     """Case state-same-prompt-twice, with max_tokens 1 and with a long generation (the
-    stored state runs past X): cached >= the largest checkpoint <= len - 1."""
+    stored state runs past X): the checkpoint one token before the prompt's end is the
+    endpoint, so cached = len - 1 (not the grid point 288 below it)."""
     for first_tokens in (1, 100):
         engine = make_engine(tiny)
         x = words(300, seed=7)
         run(engine, x, greedy(first_tokens))
         got, last = run(engine, x)
-        assert last.num_cached_tokens == ((len(x) - 1) // EVERY) * EVERY == 288
+        assert last.num_cached_tokens == len(x) - 1 == 299
         assert got == run(cold, x)[0]
         assert_idle_accounting(engine)
 
@@ -315,10 +316,90 @@ def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
 
 
 def test_chunks_are_cut_on_the_checkpoint_grid(tiny):
-    """A 100-token prefill with a 48-token budget is cut at 32, 64, 96: each grid point gets
-    a checkpoint, and so does the end of the prompt."""
+    """A 100-token prefill with a 48-token budget is cut at 32, 64, 96 and 99: each grid
+    point gets a checkpoint, and so do the end of the prompt and the token before it."""
     engine = make_engine(tiny, max_batch_tokens=48)
     run(engine, words(100, seed=30), greedy(1))
     positions = sorted(c.position for c in engine.checkpoints.entries())
-    assert positions == [32, 64, 96, 100]
+    assert positions == [32, 64, 96, 99, 100]
+    assert_idle_accounting(engine)
+
+
+def _recorded(engine: Engine, requests: list[GenerationRequest]):
+    """Run `requests` at once; per id: (tokens, the logits rows sampled, last output)."""
+    from engine_helpers import output_tokens
+    from exactness import record_logits
+
+    got = record_logits(engine)
+    outs = engine.run_until_idle(requests)
+    engine._sample = type(engine)._sample.__get__(engine)  # unwrap the spy
+    return {r.request_id: (output_tokens(outs[r.request_id]), got[r.request_id],
+                           outs[r.request_id][-1]) for r in requests}
+
+
+def _assert_equal_to_cold(got, want, label: str) -> None:
+    """Same tokens and bit-identical sampled logits (torch.equal) at every step."""
+    from exactness import assert_same_logits
+
+    assert got[0] == want[0], label
+    assert_same_logits(got[1], want[1], label)
+
+
+@pytest.mark.parametrize("length", [17, 40, 100])
+def test_same_prompt_twice_below_the_grid_reuses_len_minus_one_bit_exact(tiny, cold, length):
+    """Case state-same-prompt-twice below the checkpoint grid (interval 256 here, as
+    packages default to): the prompt-end checkpoint at P cannot serve a full match (one
+    token must be computed for logits), the one at P - 1 does. The repeat, and n = 3
+    choices of it (sampled, seeds 3, 4, 5), reuse len - 1 and sample from logits
+    bit-identical to a cold engine's; pools and slots return to baseline."""
+    from flare.runtime.request import SamplingParams
+
+    engine = make_engine(tiny, checkpoint_interval=256)
+    x = words(length, seed=40 + length)
+    first = _recorded(engine, [GenerationRequest("first", x, greedy(6))])["first"]
+    assert first[2].num_cached_tokens == 0
+    again = _recorded(engine, [GenerationRequest("again", x, greedy(6))])["again"]
+    assert again[2].num_cached_tokens == length - 1
+    assert again[2].reuse == {"outcome": "Admitted", "matched_tokens": length - 1,
+                              "reused_tokens": length - 1}
+    want = _recorded(cold, [GenerationRequest("cold", x, greedy(6))])["cold"]
+    _assert_equal_to_cold(first, want, "first")
+    _assert_equal_to_cold(again, want, "again")
+
+    def choices(tag: str) -> list[GenerationRequest]:
+        return [GenerationRequest(f"{tag}-{i}", x, SamplingParams(
+            max_tokens=6, temperature=0.8, seed=3 + i, ignore_eos=True)) for i in range(3)]
+
+    n3 = _recorded(engine, choices("n3"))
+    ref = _recorded(cold, choices("n3"))
+    for rid, got in n3.items():
+        assert got[2].num_cached_tokens == length - 1, rid
+        _assert_equal_to_cold(got, ref[rid], rid)
+    assert_idle_accounting(engine)
+
+
+def test_turn_boundary_checkpoints_let_short_branches_reuse(tiny, cold):
+    """Below the grid, the checkpoints at each prompt end (and the token before it) and
+    each generation end are the branch points: a branch diverging right after the prompt
+    reuses P, one diverging at the prompt's last token reuses P - 1, a branch after the
+    answer and a resend of the whole turn reuse all of the turn but its last token.
+    Every answer samples from logits bit-identical to a cold engine's."""
+    engine = make_engine(tiny, checkpoint_interval=256)
+    prompt = words(29, seed=50)
+    answer = _recorded(engine, [GenerationRequest("t1", prompt, greedy(7))])["t1"][0]
+    turn = prompt + answer
+    cases = {
+        "after-prompt": (prompt + words(5, seed=51), len(prompt)),
+        "last-prompt-token": (prompt[:-1] + words(6, seed=52), len(prompt) - 1),
+        "after-answer": (turn + words(4, seed=53), len(turn) - 1),
+        "whole-turn": (turn, len(turn) - 1),
+        # the resend of the whole turn checkpointed it at its prompt end too
+        "after-answer-again": (turn + words(3, seed=54), len(turn)),
+    }
+    for label, (ids, cached) in cases.items():
+        got = _recorded(engine, [GenerationRequest(label, ids, greedy(5))])[label]
+        assert got[2].num_cached_tokens == cached, label
+        want = _recorded(cold, [GenerationRequest(label, ids, greedy(5))])[label]
+        _assert_equal_to_cold(got, want, label)
+        engine.check_integrity()
     assert_idle_accounting(engine)

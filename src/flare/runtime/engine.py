@@ -7,7 +7,9 @@ async wrapper turns into per-request queues.
 
 What is published when (docs/session-state.md): after each step, the full pages it
 completed go to the prefix index and, for hybrid recipes, a checkpoint of the state slot is
-taken at the end of a prompt and at each multiple of the checkpoint interval of a prefill;
+taken at the end of a prompt, one token before it (the scheduler ends a chunk there: the
+endpoint a repeat of the same prompt adopts, as it must compute one token for logits) and
+at each multiple of the checkpoint interval of a prefill;
 when a sequence finishes, its partly filled last page and a checkpoint at its last computed
 position.
 """
@@ -201,7 +203,8 @@ class Engine:
         self.sessions = SessionRegistry(Path(state_dir) if has_disk else None, namespace)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
                                    plan.max_batch_tokens, reuse, self.states,
-                                   self.checkpoint_interval)
+                                   self.checkpoint_interval,
+                                   checkpoint_before_prompt_end=self.checkpoints is not None)
         eos = set(config.eos_token_ids)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos.add(tokenizer.eos_token_id)
@@ -615,6 +618,8 @@ class Engine:
             if self.checkpoints is not None:  # and the state slot is at num_computed
                 n, every = seq.num_computed, self.checkpoint_interval
                 if (before < seq.num_prompt_tokens == n  # end of the prompt
+                        # one before it: the endpoint of the very same prompt sent again
+                        or before < seq.num_prompt_tokens - 1 == n
                         or (prefill and every and n % every == 0)):  # the prefill grid
                     self._checkpoint(seq)
         for seq, tok in zip(sampled, tokens):

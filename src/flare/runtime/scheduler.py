@@ -16,7 +16,10 @@ Hybrid recipes: a running sequence also holds one state slot (`StateSlotPool`), 
 at admission (a reused endpoint's checkpoint is copied into it) and given back when it
 finishes, is aborted or preempted (a preempted sequence recomputes, or restores, its state
 at its next admission). Prefill chunks are cut at multiples of `checkpoint_interval` so the
-engine can checkpoint the state on that grid.
+engine can checkpoint the state on that grid, and (`checkpoint_before_prompt_end`) one
+token before the end of the prompt, so the engine can checkpoint the state at len - 1: the
+endpoint a request with the very same prompt (a retry, n > 1 choices) adopts, since one
+token must be computed to get logits.
 """
 
 from __future__ import annotations
@@ -56,15 +59,20 @@ class Scheduler:
         states: hybrid recipes: the state-slot pool (one slot per running sequence).
         checkpoint_interval: cut prefill chunks at multiples of this many tokens (0: no
             cut).
+        checkpoint_before_prompt_end: also end a prefill chunk at `num_prompt_tokens - 1`
+            (hybrid recipes with checkpoints: the engine checkpoints there, so the same
+            prompt sent again reuses all but its last token).
     """
 
     def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int,
                  max_batch_tokens: int, reuse: DeviceReuse | None = None,
-                 states: StateSlotPool | None = None, checkpoint_interval: int = 0) -> None:
+                 states: StateSlotPool | None = None, checkpoint_interval: int = 0,
+                 checkpoint_before_prompt_end: bool = False) -> None:
         self.pool = pool
         self.reuse = reuse
         self.states = states
         self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_before_prompt_end = checkpoint_before_prompt_end
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(max_batch_tokens, max_num_seqs)
@@ -121,11 +129,16 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq` to compute now: what is left, within `budget`, and for a prefill
-        not past the next multiple of the checkpoint interval."""
+        not past the next multiple of the checkpoint interval (nor, with
+        `checkpoint_before_prompt_end`, past the prompt's last token but one)."""
         n = min(seq.num_uncomputed, budget)
         step = self.checkpoint_interval
         if step and n > 1:
             n = min(n, (seq.num_computed // step + 1) * step - seq.num_computed)
+        before_end = seq.num_prompt_tokens - 1
+        if self.checkpoint_before_prompt_end and seq.num_computed < before_end < (
+                seq.num_computed + n):
+            n = before_end - seq.num_computed
         return n
 
     def _preempt(self, seq: Sequence) -> None:

@@ -304,3 +304,53 @@ def test_state_saved_at_shutdown_is_restored_after_restart(tiny, cold, tmp_path)
     assert last.num_cached_tokens == 48
     assert restarted.stats()["tier_restores_disk_total"] == 1
     restarted.stop()
+
+
+@pytest.mark.parametrize("how", ["save", "shutdown"])
+def test_hybrid_session_chain_survives_a_restart_with_a_retokenized_reply(
+        hybrid, hybrid_cold, tmp_path, how):
+    """A saved (or shutdown-saved) hybrid session writes every checkpoint on its chain,
+    not only the one at its end. After a restart, turn 2 resends turn 1 with a reply that
+    re-tokenizes differently from its 3rd token on (one token becomes two): the restarted
+    engine restores the prompt-end checkpoint (41, inside a page whose record belongs to
+    the other continuation: its first positions are lent, as the device index lends a
+    partly matching page), exactly what an engine that never restarted reuses; tokens and
+    sampled logits equal a cold engine's."""
+    from test_hybrid_reuse import _assert_equal_to_cold, _recorded
+
+    turn1 = words(41, seed=31)
+
+    def first_turn(engine: Engine) -> list[int]:
+        req = GenerationRequest("t1", turn1, greedy(16), session="s")
+        return sum((o.token_ids for o in engine.run_until_idle([req])["t1"]), [])
+
+    engine = hybrid_engine(hybrid, state_dir=tmp_path)
+    answer = first_turn(engine)
+    if how == "save":
+        ticket, covered = engine.save_session("s")
+        assert ticket.done.wait(30) and ticket.written == len(ticket.keys)
+        assert engine.sessions.mark_saved("s", turn1 + answer[:-1], covered)
+        kinds = [engine.tiers.disk.get(k) for k in ticket.keys]
+        positions = sorted(r.position for r in kinds if r.kind == "checkpoint")
+        assert positions == [32, 40, 41, 56]  # grid, prompt end - 1, prompt end, generation end
+    else:
+        engine.save_state_on_stop = True
+        covered = 56
+    engine.stop()
+
+    reply = answer[:2] + [answer[2] + 1, 777] + answer[3:]
+    turn2 = turn1 + reply + words(5, seed=32)
+    never = hybrid_engine(hybrid)
+    assert first_turn(never) == answer
+    want_cached = _recorded(never, [GenerationRequest("t2", turn2, greedy(6))])["t2"][2]
+    assert want_cached.num_cached_tokens == len(turn1)
+
+    restarted = hybrid_engine(hybrid, state_dir=tmp_path)
+    assert restarted.sessions.get("s").saved_tokens == covered
+    got = _recorded(restarted, [GenerationRequest("t2", turn2, greedy(6))])["t2"]
+    assert got[2].num_cached_tokens == want_cached.num_cached_tokens
+    assert restarted.stats()["tier_restores_disk_total"] == 1
+    _assert_equal_to_cold(got, _recorded(hybrid_cold, [GenerationRequest(
+        "t2", turn2, greedy(6))])["t2"], "restarted")
+    restarted.check_integrity()
+    restarted.stop()

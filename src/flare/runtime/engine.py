@@ -370,6 +370,34 @@ class Engine:
                              "tier budget above 0 and the prefix cache on)")
         return self.tiers.save(tokens)
 
+    def _save_sessions(self, timeout: float = 60.0) -> int:
+        """At shutdown (the step loop stopped): write every named session's whole chain
+        to the disk tier as `save_session` does (its pages, which stay pinned on the device
+        and so are never offloaded, and every checkpoint along it) and mark those written
+        as saved, so they survive the restart by name too. Returns the sessions saved;
+        a session that cannot be saved is logged and skipped."""
+        from flare.state.tiers import SaveRefused
+
+        tiers, done = self.tiers, []
+        for name, session in self.sessions.snapshot().items():
+            try:
+                try:
+                    ticket, covered = tiers.save(session.tokens)
+                except SaveRefused:  # a full queue: let it drain, then once more
+                    tiers.transfers.wait_idle(timeout)
+                    ticket, covered = tiers.save(session.tokens)
+            except Exception:
+                log.exception("saving session %s at shutdown failed", name)
+                continue
+            done.append((name, session.tokens, ticket, covered))
+        tiers.transfers.wait_idle(timeout)
+        saved = 0
+        for name, tokens, ticket, covered in done:
+            if covered and (ticket is None or (ticket.done.is_set() and ticket.error is None
+                                               and ticket.written == len(ticket.keys))):
+                saved += self.sessions.mark_saved(name, tokens, covered)
+        return saved
+
     def start(self) -> None:
         """Run the step loop in a daemon thread."""
         if self._thread is None:
@@ -379,7 +407,8 @@ class Engine:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the step loop (running requests end with "abort"); with
-        `save_state_on_stop` and a disk tier, first write every cached state to disk, so a
+        `save_state_on_stop` and a disk tier, first write every cached state to disk (each
+        named session's whole chain included, pinned on the device as it is), so a
         restarted server restores it. Then close the tiers."""
         with self._wake:
             self._stopping = True
@@ -391,6 +420,7 @@ class Engine:
             return
         if self.save_state_on_stop and self.tiers.transfers is not None:
             try:
+                self._save_sessions()  # pinned states never leave the device by offload
                 self.offload()
                 log.info("saved %d state records to disk at shutdown", self.tiers.flush())
             except Exception:  # a failed save costs recomputation later, never the exit

@@ -196,6 +196,21 @@ class CheckpointIndex:
                 return best
         return None
 
+    def along(self, tokens: list[int], chain: list[bytes], limit: int) -> list[Checkpoint]:
+        """Every checkpoint at a position <= `limit` whose tokens are a prefix of `tokens`,
+        among the page depths of `chain` (as for `find`), by position; not touched. A
+        session save writes them all, so that a resent conversation whose tokens differ
+        past any of them still restores the newest one before the difference."""
+        ps, out = self.page_size, []
+        for depth, parent in enumerate(chain):
+            base = depth * ps
+            if base > limit:
+                break
+            for tail, ckpt in self._by_parent.get(parent, {}).items():
+                if ckpt.position <= limit and tuple(tokens[base:ckpt.position]) == tail:
+                    out.append(ckpt)
+        return sorted(out, key=lambda c: c.position)
+
     def pin(self, ckpt: Checkpoint) -> None:
         ckpt.pins += 1
 

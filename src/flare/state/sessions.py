@@ -151,6 +151,12 @@ class SessionRegistry:
         with self._lock:
             return len(self._sessions)
 
+    def snapshot(self) -> dict[str, Session]:
+        """A copy of every session, by name (a shutdown save writes each one's state)."""
+        with self._lock:
+            return {n: Session(list(s.tokens), s.saved_tokens)
+                    for n, s in self._sessions.items()}
+
     # ---- persistence --------------------------------------------------------------------
 
     def _load(self) -> None:

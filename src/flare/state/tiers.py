@@ -167,8 +167,10 @@ class _Part:
     kind: str
     parent: bytes
     tokens: tuple[int, ...]
-    end: int  # token position after this part
+    end: int  # token position after this part (the positions it lends end there)
     tier: str  # "host" or "disk"
+    start: int = 0  # token position of its first token
+    partial: bool = False  # a full page lending only its first end - start positions
 
 
 @dataclass
@@ -284,9 +286,14 @@ class TierStore:
         """Write the state of `tokens` (its computed prefix: the caller passes the tokens
         whose K/V exist) to the disk tier: every full page and the tail along its chain,
         from the device, the host tier or records on their way to disk, plus, for hybrid
-        recipes, the checkpoint at the largest position covered. Returns (write ticket,
-        positions covered); (None, 0) when there is no disk tier or nothing to save.
-        Records the disk tier already holds are only touched by the write."""
+        recipes, every checkpoint along the chain (each prompt end and the token before
+        it, each generation end, each grid point), so that after a restart a resent
+        conversation whose tokens differ from `tokens` somewhere (a reply that
+        re-tokenizes differently, an edit) restores the newest checkpoint at or below the
+        first difference, as a server that never restarted does. Returns (write ticket,
+        positions covered: the largest checkpoint's for hybrids); (None, 0) when there is
+        no disk tier or nothing to save. Records the disk tier already holds are only
+        touched by the write."""
         if self.transfers is None:
             return None, 0
         index, ps = self.index, self.page_size
@@ -308,11 +315,10 @@ class TierStore:
             records.append(tail)
             pos += len(rest)
         if self.checkpoints is not None:
-            pos, ckpt = self._saved_checkpoint(tokens, chain, pos)
+            pos, ckpts = self._saved_checkpoints(tokens, chain, pos)
             if pos == 0:
                 return None, 0  # KV pages without a layer state are no state
-            if ckpt is not None:
-                records.append(ckpt)
+            records += ckpts
         if not records:
             return None, pos
         size = sum(r.nbytes for r in records)
@@ -348,20 +354,32 @@ class TierStore:
                 return rec
         return None
 
-    def _saved_checkpoint(self, tokens: list[int], chain: list[tuple[bytes, int]],
-                          reach: int) -> tuple[int, "StateRecord | None"]:
-        """(position, record) of the checkpoint at the largest position <= `reach` along
-        `chain`; record None when the disk tier already holds it; (0, None) when none."""
+    def _saved_checkpoints(self, tokens: list[int], chain: list[tuple[bytes, int]],
+                           reach: int) -> tuple[int, list["StateRecord"]]:
+        """(largest position, records) of every checkpoint at a position <= `reach` along
+        `chain` ((key, position of its pages' end) pairs, root first) whose tail tokens
+        match: those of the device and of the host tier (or on their way to disk) as
+        records, by position; those only the disk tier holds count for the position but
+        need no record. (0, []) when there is none."""
         ckpts = self.checkpoints
-        device = ckpts.find(tokens, [k for k, _ in chain], reach)
-        tier = self._checkpoint(tokens, chain, reach)
-        if device is not None and (tier is None or device.position >= tier.end):
-            return device.position, checkpoint_record(ckpts.states, device)
-        if tier is None:
-            return 0, None
-        if tier.tier == "host":
-            return tier.end, self.host.get(tier.key) or self._outbox.get(tier.key)
-        return tier.end, None
+        found: dict[bytes, "StateRecord | None"] = {}
+        top = 0
+        for ckpt in ckpts.along(tokens, [k for k, _ in chain], reach):
+            found[checkpoint_key(ckpt.parent, ckpt.tail)] = checkpoint_record(ckpts.states,
+                                                                              ckpt)
+            top = max(top, ckpt.position)
+        for parent, base in chain:
+            if base > reach:
+                break
+            for key, tail, position, tier in self._children(parent, CHECKPOINT):
+                if key in found or position > reach or tuple(tokens[base:position]) != tail:
+                    continue
+                rec = (self.host.get(key) or self._outbox.get(key)) if tier == "host" else None
+                found[key] = rec
+                top = max(top, position)
+        records = sorted((r for r in found.values() if r is not None),
+                         key=lambda r: r.position)
+        return top, records
 
     # ---- locate -------------------------------------------------------------------------
 
@@ -398,14 +416,20 @@ class TierStore:
         for key, chunk, tier in zip(keys, chunks, self._tiers_of(keys)):
             if tier is None:
                 break
-            parts.append(_Part(key, PAGE, parent, chunk, pos + ps, tier))
+            parts.append(_Part(key, PAGE, parent, chunk, pos + ps, tier, pos))
             parent, pos = key, pos + ps
+        # the page after the chain: a tail, or a full page of another continuation (a
+        # reply that re-tokenized differently) lending the positions it shares, as the
+        # device index lends a partly matching child
         want = tokens[pos:min(pos + ps, limit)]
         best, best_n = None, 0
-        for key, tail, _, tier in self._children(parent, TAIL):
-            n = common_prefix(tail, want)
-            if n > best_n:
-                best, best_n = _Part(key, TAIL, parent, tail, pos + n, tier), n
+        for kind in (TAIL, PAGE):
+            for key, tail, _, tier in self._children(parent, kind):
+                n = common_prefix(tail, want)
+                if n > best_n:
+                    best = _Part(key, kind, parent, tail, pos + n, tier, pos,
+                                 partial=kind == PAGE)
+                    best_n = n
         if best is not None:
             parts.append(best)
         return parts
@@ -457,7 +481,7 @@ class TierStore:
         chain = [index.root, *match.keys]
         start = len(match.pages) * ps
         parts = self._continuation(tokens, chain[-1], start, limit)
-        page_parts = [p for p in parts if p.kind == PAGE]
+        page_parts = [p for p in parts if p.kind == PAGE and not p.partial]
         if self.checkpoints is not None:
             device = self.checkpoints.find(tokens, chain, match.num_tokens)
             have = device.position if device is not None else 0
@@ -471,7 +495,7 @@ class TierStore:
             full = ckpt.end // ps
             need = [p for p in page_parts if p.end <= full * ps]
             if ckpt.end % ps:
-                cover = [p for p in parts if p.end - len(p.tokens) == full * ps
+                cover = [p for p in parts if p.kind != CHECKPOINT and p.start == full * ps
                          and p.end >= ckpt.end]
                 if not cover:
                     return self._done(held)

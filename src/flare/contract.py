@@ -34,7 +34,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 #    `full` / `fp16`, a sequential gated delta rule for hybrids; the default format of a
 #    Q4_1 GGUF is `q4x8` (source["weight_types"]). Older packages were chosen and
 #    measured under the old defaults.
-EXECUTION_ABI: int = 5
+# 6: a GGUF's own blocks: weight format `q8x8` (every 2-D weight Q8_0 in the interleaved
+#    layout), Q4_0 layers kept as `q4x8` blocks, and a `q4x8`/`q8x8` token embedding that
+#    is a `Q4x8Weight` (read by a lookup older runtimes lack) or float16/float32.
+EXECUTION_ABI: int = 6
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.
@@ -80,7 +83,8 @@ class Manifest(BaseModel):
         plan: `CapacityPlan.to_dict()`.
         memory: `MemoryReport.to_dict()` (bytes).
         tuning: choices made at prepare time (threads, batch token budget, weight format
-            "weights": "full", "fp16", "q4" or "q4x8" (`flare.models.quant`), ...).
+            "weights": "full", "fp16", "q4", "q4x8" or "q8x8" (`flare.models.quant`),
+            ...).
         graph_capture: what serve captures at start-up; {"enabled": False, "reason": ...}
             when nothing (CPU, hybrid recipes), else {"enabled": True, "batch_sizes",
             "context_pages", "attention"} (`flare.runtime.cuda_graphs.GraphPlan`).

@@ -16,9 +16,10 @@ from flare.models.quant import (
     check_weight_format,
     convert_tensors,
     default_weight_format,
-    native_q4x8,
     fbgemm_fp16_packed_bytes,
     fp16_packed_bytes,
+    native_q4x8,
+    native_q8x8,
     serving_weight_bytes,
 )
 from flare.prepare.package import PackageTensors, ensure_package, load_package, prepare_package
@@ -73,15 +74,23 @@ def test_weight_format_applies_only_where_fbgemm_serves_it():
 
 def test_default_format_of_a_q4_1_gguf_is_its_own_blocks_q4x8():
     """The exact default is the native format: `q4x8` for a GGUF of Q4_1 layers (and a
-    Q8_0 embedding, as the embedded model), `fp16` for any other source."""
+    Q8_0 embedding, as the embedded model) or Q4_0 layers (read from their blocks, never
+    re-quantized: tests/unit/test_gguf_blocks.py), `q8x8` for Q8_0 layers, `fp16` for
+    any other source."""
     gguf = {"format": "gguf", "weight_types": {"layers": ["Q4_1"], "other": ["Q8_0"]}}
     kw = dict(dtype="float32", device="cpu", recipe="llama")
     assert native_q4x8(gguf) and default_weight_format(**kw, source=gguf) == "q4x8"
-    for types in ({"layers": ["Q4_0"], "other": ["Q8_0"]},  # re-quantizing Q4_0 is lossy
+    q4_0 = {"format": "gguf", "weight_types": {"layers": ["Q4_0"], "other": ["Q6_K"]}}
+    assert default_weight_format(**kw, source=q4_0) == "fp16"  # a K-quant output layer
+    q4_0["weight_types"]["other"] = ["Q8_0"]
+    assert default_weight_format(**kw, source=q4_0) == "q4x8"
+    q8_0 = {"format": "gguf", "weight_types": {"layers": ["Q8_0"], "other": ["Q8_0"]}}
+    assert native_q8x8(q8_0) and default_weight_format(**kw, source=q8_0) == "q8x8"
+    for types in ({"layers": ["Q4_1", "Q8_0"], "other": ["Q8_0"]},  # would not fuse
                   {"layers": ["Q4_1", "Q6_K"], "other": ["Q8_0"]},
                   {"layers": ["F16"], "other": ["F16"]}, {}):
         source = {"format": "gguf", "weight_types": types}
-        assert not native_q4x8(source)
+        assert not native_q4x8(source) and not native_q8x8(source)
         assert default_weight_format(**kw, source=source) == "fp16"
     assert default_weight_format(**kw, source={"format": "safetensors"}) == "fp16"
     assert default_weight_format(dtype="float32", device="cpu", recipe="lfm2",

@@ -4,7 +4,7 @@ into Hugging Face tensor names, a config and a tokenizer."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,10 @@ class Checkpoint:
         source: identity of what was read: {"format": "gguf" | "safetensors",
             "path": file or folder base name, "name": default model name,
             "files": {name: {"sha256", "bytes"}}, ...format-specific keys}.
+        blocks: for a GGUF, each 2-D weight's GGUF type and, for the block types served
+            as stored (Q4_0, Q4_1, Q8_0), the file's own block bytes in Hugging Face row
+            order (`flare.models.quant.GGUFBlocks`); empty for a safetensors folder.
+            `flare.models.quant.convert_tensors` builds the quantized formats from them.
     """
 
     config: ModelConfig
@@ -56,6 +60,7 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
     source: dict[str, Any]
+    blocks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -9,6 +9,7 @@ gguf_file=...)` bit for bit. Supported: llama, qwen2, qwen3 architectures; any t
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from flare.loading.checkpoint import Checkpoint, check_tensor_names, source_identity
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
+from flare.models.quant import GGUF_BLOCK_BYTES, GGUFBlocks
 from flare.models.recipe import recipe_for
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -229,10 +231,51 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
     return out
 
 
+def gguf_blocks(reader: GGUFReader, config: ModelConfig,
+                where: str = "GGUF") -> dict[str, GGUFBlocks]:
+    """Each 2-D weight's GGUF type, with the file's own block bytes for the types the
+    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0).
+
+    The bytes are uint8 [rows, bytes per row] views of the file map (no copy), except for
+    a llama q_proj / k_proj, whose rows get the loader's un-permutation (`unpermute_qk`
+    moves whole rows, so every block stays intact). HF names, as `gguf_tensors`.
+
+    Raises:
+        ValueError: a tensor name with no HF equivalent, or block bytes of an unexpected
+            shape (naming the tensor).
+    """
+    permute = config.model_type == "llama"
+    out: dict[str, GGUFBlocks] = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        name = hf_tensor_name(t.name)
+        if name is None:
+            raise ValueError(f"{where}: tensor {t.name!r} has no Hugging Face equivalent "
+                             f"in the {config.model_type} recipe")
+        kind = GGMLQuantizationType(t.tensor_type).name
+        if kind not in GGUF_BLOCK_BYTES:
+            out[name] = GGUFBlocks(kind, None)
+            continue
+        rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists the fastest axis first
+        per_row = cols // 32 * GGUF_BLOCK_BYTES[kind]
+        if cols % 32 or t.data.dtype != np.uint8 or t.data.size != rows * per_row:
+            raise ValueError(f"{where}: tensor {t.name!r} ({kind}) has {t.data.size} bytes "
+                             f"of blocks, expected {rows} rows of {per_row}")
+        with warnings.catch_warnings():  # a read-only view of the file map, never written
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(t.data.reshape(rows, per_row))
+        if permute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            data = unpermute_qk(data, heads)
+        out[name] = GGUFBlocks(kind, data)
+    return out
+
+
 def weight_types(reader: GGUFReader) -> dict[str, list[str]]:
     """The GGUF types of the file's 2-D weights, sorted names: {"layers": the transformer
     blocks' projections, "other": the token embedding and output layer}. Decides the
-    default weight format (`flare.models.quant.native_q4x8`)."""
+    default weight format (`flare.models.quant.native_format`)."""
     layers, other = set(), set()
     for t in reader.tensors:
         if len(t.shape) != 2:
@@ -270,4 +313,5 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = F
     if general_name:
         source["general_name"] = general_name
     return Checkpoint(config=config, hf_config=hf_config, tensors=tensors,
-                      tokenizer=tokenizer, source=source)
+                      tokenizer=tokenizer, source=source,
+                      blocks=gguf_blocks(reader, config, where))

@@ -103,7 +103,12 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   never depends on the rows beside it, and with the rest of the serving path fixed-order
   too (attention, norms, activation rounding: docs/preparation-contract.md,
   "Exactness") a request's logits do not depend on chunking, reuse or batch. It is the
-  default for a GGUF of Q4_1 layers (`default_weight_format`). Activation rounding moves
+  default for a GGUF of Q4_1 or Q4_0 layers (`default_weight_format`), built from the
+  file's own blocks (`convert_tensors(..., blocks=)`, `native_weight`): Q4_1 blocks as
+  they are, a Q4_0 block (d, codes q, value d * (q - 8)) as the Q4_1 block with scale d
+  and min -8d, the same codes, exact; a Q8_0, Q4_0 or Q4_1 embedding / output layer as
+  its own blocks, an F16 / BF16 / F32 one as a float tensor run by the dense kernels.
+  Activation rounding moves
   the embedded model's logits by up to about 1.7 against the float product (next-token
   agreement 92 of 96 teacher-forced positions, KL mean 2.8e-3, see
   tests/unit/test_quant_parity.py);
@@ -116,6 +121,20 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   383 / 362 / 455 / 157 tok/s. Kernel alone, 2 threads, weights in cache, float32
   scales: gate/up (3072 x 576) and q/k/v (960 x 576) one after the other 41 us at 1 row,
   190 at 8; gate/up alone about 70 GMAC/s from 4 rows up.
+
+- `q8x8`: every 2-D weight in Q8_0 blocks (float16 d, 32 int8 codes, value d * q) in
+  `q4x8`'s 8-row interleaved layout (`Q8x8Weight`, 34 bytes a block), run by the same
+  Q8_0 x Q8_0 kernel as `q4x8`'s output layer (`q8x8_linear`): int8 activations per
+  block of 32, integer dot products, then the scales; the same row invariance. The
+  default for a GGUF of Q8_0 layers (Q4_0 layers beside them become Q8_0 blocks with
+  codes q - 8, exact), built from the file's blocks as `q4x8` is; from floats (a
+  safetensors folder, other GGUF types, asked for with --weights q8x8) `quantize_q8`,
+  which gives back a reference-quantized Q8_0 file's codes and float16 scales exactly.
+  Decode reads 1.06 bytes per weight against `fp16`'s 2.
+
+GGUF types no format holds as stored (K-quants Q4_K / Q5_K / Q6_K, Q5_0 / Q5_1, F16
+layers) are dequantized and served as `fp16` by default; asked for, `q4x8` / `q8x8`
+re-quantize them from the dequantized floats (not the file's values).
 """
 
 from __future__ import annotations
@@ -129,7 +148,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("full", "fp16", "q4", "q4x8")
+WEIGHT_FORMATS = ("full", "fp16", "q4", "q4x8", "q8x8")
+# the formats whose weights are int8-activation blocks (`Q4x8Weight`, `Q8x8Weight`)
+INT8_FORMATS = ("q4x8", "q8x8")
 QBLOCK = 32  # values per block of `q4` / `q8` weights, along the input axis
 Q4_SUFFIXES = (".q4_codes", ".q4_scales", ".q4_mins")  # uint8 [N, K/2], f32 [N, K/32] x 2
 Q8_SUFFIXES = (".q8_codes", ".q8_scales")  # int8 [N, K], float32 [N, K/32]
@@ -166,18 +187,18 @@ def _fp16_ops() -> tuple[Callable, Callable]:
 def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> None:
     """Refuse a weight format the serving setup cannot run.
 
-    `q4` and `q4x8` also need Flare's C++ kernel (`flare.kernels.qgemm`): checking
-    builds it once (about a minute on 2 cores; cached on disk after).
+    `q4`, `q4x8` and `q8x8` also need Flare's C++ kernel (`flare.kernels.qgemm`):
+    checking builds it once (about a minute on 2 cores; cached on disk after).
 
     Raises:
-        ValueError: unknown format; `fp16`, `q4` or `q4x8` with a serving dtype other
-            than float32, a device other than CPU, or a recipe other than `llama` (all
-            named); `q4`/`q4x8` where the kernel cannot be had (CPU without AVX2/FMA, no C++
-            compiler or ninja, failed build: the reason is in the message).
+        ValueError: unknown format; `fp16`, `q4`, `q4x8` or `q8x8` with a serving dtype
+            other than float32, a device other than CPU, or a recipe other than `llama`
+            (all named); `q4`/`q4x8`/`q8x8` where the kernel cannot be had (CPU without
+            AVX2/FMA, no C++ compiler or ninja, failed build: the reason is in the message).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
-    if fmt in ("fp16", "q4", "q4x8"):
+    if fmt in ("fp16", "q4", "q4x8", "q8x8"):
         kernel = f"Flare's {fmt} kernel"
         why = []
         if dtype != "float32":
@@ -189,7 +210,7 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
         if why:
             raise ValueError(f"weight format {fmt!r} does not apply to " + ", ".join(why)
                              + "; use --weights full")
-    if fmt in ("q4", "q4x8"):
+    if fmt in ("q4", "q4x8", "q8x8"):
         from flare.kernels import qgemm_problem
 
         problem = qgemm_problem()  # builds the kernel once (about a minute), then cached
@@ -198,48 +219,81 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
                              f"{problem}; use --weights fp16")
 
 
-# GGUF tensor types whose values `q4x8` holds exactly: Q4_1 layers are its own blocks
-# (codes, float16 scale and min), a Q8_0 embedding its own Q8_0 blocks; norms stay float32.
-# Q4_0 is not among them: re-quantizing its blocks as Q4_1 moves a block that does not use
-# both extreme codes.
-Q4X8_NATIVE_LAYER_TYPES = frozenset({"Q4_1"})
-Q4X8_NATIVE_OTHER_TYPES = frozenset({"Q4_1", "Q8_0", "F32"})
+# GGUF tensor types whose values a format holds exactly when it is built from the file's
+# blocks (`convert_tensors(..., blocks=)`; norms stay float32):
+# - `q4x8` layers: Q4_1 blocks are its own (codes, float16 scale and min); a Q4_0 block
+#   (d, codes q, value d * (q - 8)) is the Q4_1 block with scale d and min -8d, the same
+#   codes (-8d is exact in float16). Re-quantizing Q4_0's floats as Q4_1 would move a
+#   block that does not use both extreme codes, so they are never re-quantized.
+# - `q8x8` layers: Q8_0 blocks are its own; a Q4_0 block is the Q8_0 block with scale d
+#   and codes q - 8.
+# - either format's token embedding and output layer ("other"): Q8_0 kept as Q8_0, Q4_0
+#   and Q4_1 as `Q4x8Weight`, F16 / BF16 / F32 as float16 where every value converts
+#   exactly, else in the serving dtype (run by the dense kernels).
+Q4X8_NATIVE_LAYER_TYPES = frozenset({"Q4_0", "Q4_1"})
+Q8X8_NATIVE_LAYER_TYPES = frozenset({"Q8_0", "Q4_0"})
+NATIVE_OTHER_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"})
+Q4X8_NATIVE_OTHER_TYPES = NATIVE_OTHER_TYPES  # kept for callers of the older name
+
+
+def native_format(source: Mapping | None) -> str | None:
+    """The int8-activation format that holds a checkpoint's weights as stored, or None.
+
+    `source["weight_types"]` ({"layers": [...], "other": [...]}, GGUF type names, written
+    by the GGUF loader) decides: `q4x8` for a GGUF whose layer weights are all Q4_1 or
+    Q4_0, `q8x8` for one whose layers are Q8_0 (Q4_0 beside them allowed), in both cases
+    with the embedding / output layer among `NATIVE_OTHER_TYPES`. Anything else (a
+    safetensors folder, F16 or K-quant layers, a Q4_1 + Q8_0 mix of layers, which would
+    not fuse into one q/k/v weight): None."""
+    if not source or source.get("format") != "gguf":
+        return None
+    types = source.get("weight_types") or {}
+    layers, other = set(types.get("layers", ())), set(types.get("other", ()))
+    if not layers or not other <= NATIVE_OTHER_TYPES:
+        return None
+    if layers <= Q4X8_NATIVE_LAYER_TYPES:
+        return "q4x8"
+    if layers <= Q8X8_NATIVE_LAYER_TYPES:
+        return "q8x8"
+    return None
 
 
 def native_q4x8(source: Mapping | None) -> bool:
-    """Whether a checkpoint's weights are stored as `q4x8` holds them: a GGUF whose layer
-    weights are all Q4_1 (and the rest Q4_1, Q8_0 or F32), from `source["weight_types"]`
-    ({"layers": [...], "other": [...]}, GGUF type names, written by the GGUF loader)."""
-    if not source or source.get("format") != "gguf":
-        return False
-    types = source.get("weight_types") or {}
-    layers, other = set(types.get("layers", ())), set(types.get("other", ()))
-    return (bool(layers) and layers <= Q4X8_NATIVE_LAYER_TYPES
-            and other <= Q4X8_NATIVE_OTHER_TYPES)
+    """Whether a checkpoint's weights are stored as `q4x8` holds them (`native_format`):
+    a GGUF of Q4_1 / Q4_0 layers."""
+    return native_format(source) == "q4x8"
+
+
+def native_q8x8(source: Mapping | None) -> bool:
+    """Whether a checkpoint's weights are stored as `q8x8` holds them (`native_format`):
+    a GGUF of Q8_0 layers."""
+    return native_format(source) == "q8x8"
 
 
 def default_weight_format(*, dtype: str, device: str, recipe: str,
                           source: Mapping | None = None) -> str:
     """The fastest exact format for a model (docs/preparation-contract.md, "Exactness").
 
-    - `q4x8` for a GGUF stored in its blocks (`native_q4x8(source)`: Q4_1 layers, as the
-      embedded model) where the format applies (CPU, float32, recipe `llama`) and Flare's
-      kernel builds: the file's own weights, the fastest decode and prefill measured;
+    - `q4x8` for a GGUF of Q4_1 or Q4_0 layers (the embedded model is Q4_1), `q8x8` for
+      one of Q8_0 layers (`native_format(source)`), where the format applies (CPU,
+      float32, recipe `llama`) and Flare's kernel builds: the file's own blocks, the
+      fastest decode and prefill measured;
     - else `fp16` where it applies: half the bytes of `full` per decoded token, run by
       Flare's row-invariant kernel;
     - else `full`.
 
     Every one of them is batch- and chunk-invariant on CPU with Flare's kernels.
     `source` is the checkpoint's (or a package manifest's) source identity; None or a
-    safetensors folder never picks `q4x8`.
+    safetensors folder never picks `q4x8` or `q8x8`.
     """
-    if native_q4x8(source):
+    native = native_format(source)
+    if native is not None:
         try:
-            check_weight_format("q4x8", dtype=dtype, device=device, recipe=recipe)
+            check_weight_format(native, dtype=dtype, device=device, recipe=recipe)
         except ValueError:
             pass
         else:
-            return "q4x8"
+            return native
     try:
         check_weight_format("fp16", dtype=dtype, device=device, recipe=recipe)
     except ValueError:
@@ -412,8 +466,8 @@ def _deinterleave(t: torch.Tensor, bytes_per_chunk: int) -> torch.Tensor:
 
 def _check_groups(n: int, name: str) -> None:
     if n % 8:
-        raise ValueError(f"weight {name!r} has {n} output rows: weight format 'q4x8' needs a "
-                         f"multiple of 8; use --weights q4")
+        raise ValueError(f"weight {name!r} has {n} output rows: weight formats 'q4x8' and "
+                         f"'q8x8' need a multiple of 8; use --weights q4 or fp16")
 
 
 def _half(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -422,8 +476,8 @@ def _half(t: torch.Tensor, name: str) -> torch.Tensor:
     h = t.half()
     if not bool(torch.isfinite(h).all()):
         raise ValueError(f"weight {name!r} has block scales or mins beyond float16's range "
-                         f"(+-{FP16_MAX:g}): weight format 'q4x8' stores them as float16; "
-                         f"use --weights q4")
+                         f"(+-{FP16_MAX:g}): weight formats 'q4x8' and 'q8x8' store them "
+                         f"as float16; use --weights q4")
     return h
 
 
@@ -455,6 +509,20 @@ class Q4x8Weight:
     shape = Q4Weight.shape
     nbytes = Q4Weight.nbytes
     parts = Q4Weight.parts
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (int64 [T]) dequantized, float32 [T, K]: an embedding lookup read
+        from the interleaved blocks (the token embedding of a Q4_0 / Q4_1 GGUF)."""
+        n, half_k = self.codes.shape
+        k = half_k * 2
+        g, i = rows // 8, rows % 8
+        codes = self.codes.view(n // 8, half_k // 4, 8, 4)[g, :, i]  # [T, K/8, 4]
+        t = codes.shape[0]
+        c = codes.reshape(t, -1, QBLOCK // 2)
+        q = torch.cat([c & 0xF, c >> 4], dim=-1).float()  # [T, K/32, 32]
+        scales = self.scales.view(n // 8, k // QBLOCK, 8)[g, :, i].float()
+        mins = self.mins.view(n // 8, k // QBLOCK, 8)[g, :, i].float()
+        return (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).view(t, k)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], as `Q4Weight.dequantize` of the unpacked blocks."""
@@ -500,6 +568,125 @@ class Q8x8Weight:
 
 
 QuantizedWeight = Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight
+
+
+# ---- a GGUF's own blocks -----------------------------------------------------------------
+#
+# ggml's block layouts (32 values a block, little-endian float16 d and m):
+#   Q4_0: d, 16 bytes of codes          value = d * (q - 8)
+#   Q4_1: d, m, 16 bytes of codes       value = d * q + m
+#   Q8_0: d, 32 int8 codes              value = d * q
+# where code byte j holds element j in its low nibble and element j + 16 in its high one:
+# the byte order of `Q4Weight.codes`, so the codes are copied as they are.
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_FLOAT_TYPES = frozenset({"F16", "BF16", "F32"})
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """One 2-D GGUF weight as the file stores it.
+
+    Attributes:
+        kind: the GGUF type name ("Q4_0", "Q8_0", "F16", "Q6_K", ...).
+        data: for the types of `GGUF_BLOCK_BYTES`, the file's block bytes, uint8
+            [rows, K / 32 * block bytes], rows in Hugging Face order; else None.
+    """
+
+    kind: str
+    data: torch.Tensor | None = None
+
+
+def _block_fields(b: GGUFBlocks) -> torch.Tensor:
+    """The blocks as uint8 [N, K/32, block bytes]."""
+    size = GGUF_BLOCK_BYTES[b.kind]
+    return b.data.reshape(b.data.shape[0], -1, size)
+
+
+def _fp16_field(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """float16 [N, K/32] read from bytes at..at+1 of each block."""
+    n, nb, _ = blocks.shape
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).view(n, nb)
+
+
+def q4_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
+    """(codes uint8 [N, K/2], scales, mins float16 [N, K/32]) of a Q4_0 or Q4_1 weight,
+    the file's own values: Q4_1's d, m and codes; for Q4_0 its d, min -8d (exact in
+    float16: a power-of-two multiple) and its codes.
+
+    Raises:
+        ValueError: another type, or a Q4_0 scale whose -8d overflows float16 (naming
+            `name`).
+    """
+    blocks = _block_fields(b)
+    n = blocks.shape[0]
+    d = _fp16_field(blocks, 0)
+    if b.kind == "Q4_1":
+        return blocks[..., 4:].reshape(n, -1), d, _fp16_field(blocks, 2)
+    if b.kind != "Q4_0":
+        raise ValueError(f"weight {name!r} is {b.kind}, not Q4_0 or Q4_1")
+    m = (d.float() * -8).half()
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError(f"weight {name!r} has Q4_0 scales whose min -8d is beyond "
+                         f"float16's range; use --weights fp16")
+    return blocks[..., 2:].reshape(n, -1), d, m
+
+
+def q8_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [N, K], scales float16 [N, K/32]) of a Q8_0 or Q4_0 weight, the file's
+    own values: Q8_0's d and codes; for Q4_0 its d and codes q - 8 (in -8..7).
+
+    Raises:
+        ValueError: another type (naming `name`).
+    """
+    blocks = _block_fields(b)
+    n = blocks.shape[0]
+    d = _fp16_field(blocks, 0)
+    if b.kind == "Q8_0":
+        return blocks[..., 2:].contiguous().view(torch.int8).reshape(n, -1), d
+    if b.kind != "Q4_0":
+        raise ValueError(f"weight {name!r} is {b.kind}, not Q8_0 or Q4_0")
+    c = blocks[..., 2:]
+    q = torch.cat([c & 0xF, c >> 4], dim=-1).to(torch.int8) - 8  # [N, K/32, 32]
+    return q.reshape(n, -1), d
+
+
+def _q4x8_of(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+             name: str) -> Q4x8Weight:
+    _check_groups(codes.shape[0], name)
+    return Q4x8Weight(_interleave(codes.contiguous(), 4), _interleave(scales, 1),
+                      _interleave(mins, 1))
+
+
+def _q8x8_of(codes: torch.Tensor, scales: torch.Tensor, name: str) -> Q8x8Weight:
+    _check_groups(codes.shape[0], name)
+    return Q8x8Weight(_interleave(codes.contiguous(), 4), _interleave(scales, 1))
+
+
+def native_weight(name: str, b: GGUFBlocks, fmt: str, value: torch.Tensor
+                  ) -> Q4x8Weight | Q8x8Weight | torch.Tensor | None:
+    """A 2-D weight of format `fmt` (`q4x8` or `q8x8`) built from the file's own blocks
+    or values, or None where `fmt` cannot hold them exactly (the caller re-quantizes).
+
+    Layers: `q4x8` takes Q4_1 and Q4_0 blocks (`q4_from_gguf`), `q8x8` Q8_0 and Q4_0
+    (`q8_from_gguf`). The token embedding and output layer (`Q8_NAMES`), in either
+    format: Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`, F16 / BF16 / F32 as the
+    float tensor `value` (float16 where every value converts exactly, else as given).
+    """
+    other = name in Q8_NAMES
+    if b.kind in GGUF_FLOAT_TYPES:
+        if not other:
+            return None
+        half = value.half()
+        return half if torch.equal(half.to(value.dtype), value) else value
+    if b.data is None:
+        return None
+    if b.kind == "Q8_0" and (other or fmt == "q8x8"):
+        return _q8x8_of(*q8_from_gguf(b, name), name)
+    if b.kind == "Q4_0" and fmt == "q8x8" and not other:
+        return _q8x8_of(*q8_from_gguf(b, name), name)
+    if b.kind in ("Q4_0", "Q4_1") and (other or fmt == "q4x8"):
+        return _q4x8_of(*q4_from_gguf(b, name), name)
+    return None
 _SUFFIXES = ((Q4_SUFFIXES, Q4Weight), (Q8_SUFFIXES, Q8Weight), (Q4X8_SUFFIXES, Q4x8Weight),
              (Q8X8_SUFFIXES, Q8x8Weight))
 
@@ -545,25 +732,32 @@ def cat_weights(weights: list[torch.Tensor | QuantizedWeight]
     return torch.cat(weights)
 
 
-def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str,
+                    blocks: Mapping[str, GGUFBlocks] | None = None) -> dict[str, torch.Tensor]:
     """The tensors a package of format `fmt` stores: `full` returns them as they are;
     `fp16` casts every 2-D `*.weight` to float16 (round to nearest even), same names;
     `q4` replaces every 2-D `*.weight` by its parts (`quantize_q4`, or `quantize_q8` for
     the `Q8_NAMES`), stored as `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES`; `q4x8` stores the
     same blocks in the 8-row interleaved layout (`Q4x8Weight.pack`, `Q8x8Weight.pack`)
-    under `Q4X8_SUFFIXES` / `Q8X8_SUFFIXES`. 1-D tensors (norms, biases) are kept as they
-    are.
+    under `Q4X8_SUFFIXES` / `Q8X8_SUFFIXES`; `q8x8` stores every 2-D weight as
+    `Q8x8Weight` (`quantize_q8`). 1-D tensors (norms, biases) are kept as they are.
+
+    `blocks` (a GGUF checkpoint's `Checkpoint.blocks`): for `q4x8` and `q8x8`, each weight
+    the format can hold as the file stores it is built from the file's own blocks or
+    values (`native_weight`: exact, never re-quantized); the rest is re-quantized from
+    `tensors` as above.
 
     Raises:
-        ValueError: unknown format; for `fp16` a weight beyond float16's range; for `q4`
-            and `q4x8` a weight whose input axis is not a multiple of 32, for `q4x8` one
-            whose output axis is not a multiple of 8 (each named).
+        ValueError: unknown format; for `fp16` a weight beyond float16's range; for `q4`,
+            `q4x8` and `q8x8` a weight whose input axis is not a multiple of 32, for
+            `q4x8` and `q8x8` one whose output axis is not a multiple of 8 (each named).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
     if fmt == "full":
         return dict(tensors)
-    if fmt in ("q4", "q4x8"):
+    if fmt in ("q4", "q4x8", "q8x8"):
+        blocks = blocks or {}
         out: dict[str, torch.Tensor] = {}
         for k, v in tensors.items():
             if not _is_stored_low(k, v):
@@ -573,11 +767,21 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, 
                 raise ValueError(f"weight {k!r} has shape {tuple(v.shape)}: weight format "
                                  f"{fmt!r} needs an input axis that is a multiple of "
                                  f"{QBLOCK}; use --weights fp16")
-            q8 = k in Q8_NAMES
-            w = (quantize_q8 if q8 else quantize_q4)(v, k)
-            if fmt == "q4x8":
-                w = (Q8x8Weight if q8 else Q4x8Weight).pack(w, k)
-                suffixes = Q8X8_SUFFIXES if q8 else Q4X8_SUFFIXES
+            w = None
+            if fmt in INT8_FORMATS and k in blocks:
+                w = native_weight(k, blocks[k], fmt, v)
+                if isinstance(w, torch.Tensor):  # a float embedding / output layer
+                    out[k] = w
+                    continue
+            q8 = k in Q8_NAMES or fmt == "q8x8"
+            if w is None:
+                w = (quantize_q8 if q8 else quantize_q4)(v, k)
+                if fmt in INT8_FORMATS:
+                    w = (Q8x8Weight if q8 else Q4x8Weight).pack(w, k)
+            if isinstance(w, Q4x8Weight):
+                suffixes = Q4X8_SUFFIXES
+            elif isinstance(w, Q8x8Weight):
+                suffixes = Q8X8_SUFFIXES
             else:
                 suffixes = Q8_SUFFIXES if q8 else Q4_SUFFIXES
             out.update(zip((k + sfx for sfx in suffixes), w.parts()))
@@ -632,8 +836,10 @@ def serving_weight_bytes(tensors: Mapping[str, torch.Tensor], fmt: str,
                          kernels: bool | None = None) -> int:
     """Bytes of weights a served dense model holds for `tensors` stored in format `fmt`.
 
-    `q4` and `q4x8`: the stored bytes (fused q/k/v and gate/up replace their parts; with
-    `q4` a tied output layer runs on the embedding's own q8 blocks; the float32 scratch
+    `q4`, `q4x8` and `q8x8`: the stored bytes (fused q/k/v and gate/up replace their
+    parts; a float embedding / output layer of a GGUF's `q4x8` / `q8x8` counts as
+    `fp16` / `full` count it; with `q4` a tied output layer runs on the embedding's own
+    q8 blocks; the float32 scratch
     buffer prefill dequantizes into, the largest layer weight's size per thread, is not
     counted). `fp16` and float32 `full` on CPU with Flare's kernels: each 2-D weight in
     the panel layout (`dense_panel_bytes`), the token embedding as stored for lookups
@@ -647,9 +853,26 @@ def serving_weight_bytes(tensors: Mapping[str, torch.Tensor], fmt: str,
         device: the serving device ("cpu", "cuda", ...); only CPU packs.
         kernels: whether Flare's dense kernels run; None looks it up (`dense_kernels`).
     """
-    if fmt not in ("full", "fp16"):
-        return sum(t.numel() * t.element_size() for t in tensors.values())
     on_cpu = torch.device(device).type == "cpu"
+    if fmt not in ("full", "fp16"):
+        floats = [n for n, t in tensors.items() if _is_stored_low(n, t)]
+        if not floats:  # every 2-D weight in blocks
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+        # `q4x8` / `q8x8` from a GGUF whose embedding / output layer is float: those are
+        # packed like `fp16` / `full` ones, the rest counted as stored
+        if kernels is None:
+            kernels = on_cpu and dense_kernels() is not None
+        total = sum(t.numel() * t.element_size() for n, t in tensors.items()
+                    if n not in floats)
+        for n in floats:
+            t = tensors[n]
+            panel = dense_panel_bytes(*t.shape, t.element_size()) if kernels else (
+                fbgemm_fp16_packed_bytes(*t.shape) if t.dtype == torch.float16 else 0)
+            if n == "model.embed_tokens.weight":
+                total += t.numel() * t.element_size() + (panel if tied_embeddings else 0)
+            else:
+                total += panel or t.numel() * t.element_size()
+        return total
     if kernels is None:
         kernels = on_cpu and dense_kernels() is not None
     if fmt == "full":

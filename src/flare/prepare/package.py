@@ -3,7 +3,7 @@
 A package folder holds:
     model.safetensors   weights, Hugging Face names, serving dtype; with weight format
                         `fp16` (manifest tuning "weights") the 2-D weights of a `llama`
-                        recipe model are float16; with `q4` (and `q4x8`, rows
+                        recipe model are float16; with `q4` (and `q4x8` / `q8x8`, rows
                         interleaved) they are stored as 4-bit / 8-bit block parts under
                         suffixed names (see `flare.models.quant`)
     tokenizer files     whatever `tokenizer.save_pretrained` writes (transformers 5:
@@ -257,7 +257,7 @@ def write_package(
     check_weight_format(fmt, dtype=serving_dtype, device=device, recipe=recipe)
     if weights is None and fmt == "fp16" and fp16_overflow(ckpt.tensors) is not None:
         fmt = "full"  # the default never turns a weight infinite; asked for, it raises
-    stored = convert_tensors(ckpt.tensors, fmt)
+    stored = convert_tensors(ckpt.tensors, fmt, ckpt.blocks)  # a GGUF's own blocks
     weights_bytes = ckpt.weights_bytes
     if recipe == "llama":  # what the model holds: fused parts, the kernels' packed layout
         weights_bytes = serving_weight_bytes(stored, fmt, ckpt.config.tie_word_embeddings,
@@ -361,9 +361,11 @@ def prepare_package(
             ValueError).
         host_tier_bytes, disk_tier_bytes: budgets of the host and disk tiers of endpoint
             states (bytes; 0 = no such tier; flare.state.tiers).
-        weights: weight format of the linear layers, "full", "fp16", "q4" or "q4x8"
-            (`flare.models.quant`); None = `default_weight_format`: "fp16" on CPU with
-            float32 for recipe `llama`, else "full". Recorded as tuning["weights"].
+        weights: weight format of the linear layers, "full", "fp16", "q4", "q4x8" or
+            "q8x8" (`flare.models.quant`); None = `default_weight_format`: on CPU with
+            float32 for recipe `llama` "q4x8" for a GGUF of Q4_1 / Q4_0 layers, "q8x8"
+            for one of Q8_0 layers, else "fp16"; "full" elsewhere. Recorded as
+            tuning["weights"].
 
     Returns:
         The written manifest.

@@ -72,3 +72,33 @@ def assert_one_step_batch_equals_cold(engine: Engine, cold: Engine) -> None:
                                   for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert output_tokens(outs[str(i)]) == run(cold, p, greedy(16))[0]
+
+
+def assert_counters_once_per_request(engine: Engine, cold: Engine, page_size: int,
+                                     new_tokens: int = 40) -> dict[str, int]:
+    """Five prompts sharing a 100-token prefix, all at once, on an engine whose pool is
+    too small for them (queue heads wait for pages, sequences are preempted, lookups
+    repeat): each request's prompt counts once in `prefix_cache_queries` (= the prompt
+    tokens sent) and in the lookup and outcome counters, repeats count as retries, the
+    hit ratio equals reused / prompt tokens within one page per request, the counters are
+    conserved, and every answer equals a cold engine's. Returns the engine's stats."""
+    shared = words(100, seed=70)
+    prompts = {f"p{i}": shared + words(40 + 7 * i, seed=71 + i) for i in range(5)}
+    reqs = [GenerationRequest(rid, ids, greedy(new_tokens)) for rid, ids in prompts.items()]
+    outs = engine.run_until_idle(reqs)
+    stats = engine.stats()
+    sent = sum(len(ids) for ids in prompts.values())
+    assert stats["prefix_cache_queries_total"] == sent
+    assert stats["reuse_lookups_total"] == len(prompts)
+    assert stats["prefix_cache_retries_total"] > 0  # the pressure made lookups repeat
+    cached = sum(outs[rid][-1].num_cached_tokens for rid in prompts)
+    assert stats["reuse_reused_tokens_total"] == cached
+    assert abs(stats["prefix_cache_hits_total"] - cached) <= page_size * len(prompts)
+    assert stats["reuse_hits_total"] + stats["reuse_outcome_no_match_total"] == len(prompts)
+    engine.reuse_counters.check_conservation()
+    want = cold.run_until_idle([GenerationRequest(r.request_id, r.prompt_token_ids,
+                                                  greedy(new_tokens)) for r in reqs])
+    for rid in prompts:
+        assert output_tokens(outs[rid]) == output_tokens(want[rid]), rid
+    engine.check_integrity()
+    return stats

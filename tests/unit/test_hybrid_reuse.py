@@ -403,3 +403,14 @@ def test_turn_boundary_checkpoints_let_short_branches_reuse(tiny, cold):
         _assert_equal_to_cold(got, want, label)
         engine.check_integrity()
     assert_idle_accounting(engine)
+
+
+def test_counters_count_each_prompt_once_under_page_pressure(tiny, cold):
+    """Issue 18, hybrids: 5 concurrent prompts on a 24-page pool; re-lookups after waits
+    and preemptions are retries, not more queries or hits."""
+    from engine_helpers import assert_counters_once_per_request
+
+    engine = make_engine(tiny, max_seq_len=256, num_pages=24, max_num_seqs=5,
+                         max_batch_tokens=64)
+    assert_counters_once_per_request(engine, cold, PAGE)
+    assert_idle_accounting(engine)

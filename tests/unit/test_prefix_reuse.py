@@ -206,3 +206,15 @@ def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
     assert (stats["reuse_lookups_total"]
             == stats["reuse_outcome_no_match_total"] + stats["reuse_hits_total"])
     assert_idle_accounting(engine)
+
+
+def test_counters_count_each_prompt_once_under_page_pressure(tiny, cold):
+    """Issue 18: 5 concurrent prompts on a 24-page pool; re-lookups after waits and
+    preemptions are retries, not more queries or hits."""
+    from engine_helpers import assert_counters_once_per_request
+
+    engine = make_engine(tiny, max_seq_len=256, num_pages=24, max_num_seqs=5,
+                         max_batch_tokens=64)
+    stats = assert_counters_once_per_request(engine, cold, PAGE)
+    assert stats["num_preemptions"] > 0 or stats["prefix_cache_retries_total"] > 0
+    assert_idle_accounting(engine)

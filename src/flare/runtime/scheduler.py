@@ -193,7 +193,7 @@ class Scheduler:
                 self._drop_pages(seq)
                 break
             if self.reuse is not None:  # the adopted prefix is now really skipped
-                self.reuse.counters.reused_tokens += seq.num_computed
+                self._count_lookup(seq, seq.num_computed)
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -246,11 +246,27 @@ class Scheduler:
         seq.pages, seq.page_keys = list(r.pages), list(r.keys)
         seq.num_computed = r.num_tokens
         seq.needs_lookup = False
-        if seq.reuse is None:  # the client hears about the first admission
+        if seq.lookup_counted or seq.lookup_counts is not None:
+            self.reuse.counters.record_retry()  # counted already, or superseded by this one
+        if not seq.lookup_counted:  # the client hears about the deciding lookup
+            seq.lookup_counts = r.counts
             seq.reuse = {"outcome": r.outcome.value, "matched_tokens": r.matched_tokens,
                          "reused_tokens": r.num_tokens}
             seq.num_cached_tokens = r.num_tokens
         return True
+
+    def _count_lookup(self, seq: Sequence, reused: int) -> None:
+        """Count `seq`'s deciding lookup once per request (`ReuseCounters.record`) and the
+        `reused` tokens its admission skips; a preempted sequence's re-admission counts
+        them as retry tokens instead."""
+        counters = self.reuse.counters
+        if seq.lookup_counted:
+            counters.retry_reused_tokens += reused
+            return
+        if seq.lookup_counts is not None:
+            counters.record(*seq.lookup_counts)
+        seq.lookup_counts, seq.lookup_counted = None, True
+        counters.reused_tokens += reused
 
     def finish(self, seq: Sequence) -> None:
         """Release everything `seq` holds and forget it (idempotent)."""
@@ -265,4 +281,6 @@ class Scheduler:
             seq.pages = []
         self._release_slot(seq)
         self._drop_ticket(seq)  # a cancelled restore: its copy is not ours to stop
+        if self.reuse is not None and seq.lookup_counts is not None:
+            self._count_lookup(seq, 0)  # looked up, never ran: its last lookup counts
         seq.status = SeqStatus.FINISHED

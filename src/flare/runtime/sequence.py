@@ -45,6 +45,9 @@ class Sequence:
             not done the sequence waits (holding no pages and no slot).
         penalty_counts: running token counts for a penalized request's sampling
             (`flare.runtime.sampling.PenaltyCounts`), made at its first sampled token.
+        lookup_counts: the counts of its latest prefix-cache lookup not counted yet
+            (`Reuse.counts`); the scheduler counts a request's deciding lookup once.
+        lookup_counted: its one lookup is counted; later lookups are retries.
     """
 
     request: GenerationRequest
@@ -61,6 +64,8 @@ class Sequence:
     state_slot: int = -1
     ticket: Any = None
     penalty_counts: PenaltyCounts | None = None
+    lookup_counts: tuple | None = None
+    lookup_counted: bool = False
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     scheduled_ns: int | None = None

@@ -6,7 +6,15 @@ apart, so that:
 
     lookups = NoMatch + hits
     hits    = CostRejected + CapacityRejected + EnqueueRejected + Admitted
-    reused tokens <= admitted tokens
+    reused tokens <= admitted tokens <= queried tokens
+
+Each request counts once: `DeviceReuse.acquire` decides and adopts but counts nothing; the
+scheduler counts a request's deciding lookup (the one after which it starts running, or
+its last one when it ends before running) with `ReuseCounters.record`, and every other
+lookup of it (a queue head that gave its adoption back to wait for pages, a preempted
+sequence looking up again) with `ReuseCounters.record_retry`. So `prefix_cache_queries`
+is the prompt tokens of the requests looked up, and `prefix_cache_hits /
+prefix_cache_queries` is a hit ratio per prompt token.
 
 The cost policy is an arm: `CostPolicy.admit(match_tokens, tier)` decides whether restoring
 is worth it. For pages already in the device pool restoring costs nothing, so the default
@@ -23,6 +31,7 @@ computes from position 0 (an Admitted lookup that reused nothing, counted in
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
@@ -86,11 +95,14 @@ class ReuseCounters:
     queried_tokens: int = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
     hit_tokens: int = 0  # tokens a hit covered (vLLM: prefix_cache_hits)
     admitted_tokens: int = 0
-    reused_tokens: int = 0  # tokens whose prefill was actually skipped
+    reused_tokens: int = 0  # tokens whose prefill was actually skipped (once a request)
     restore_failures: int = 0  # admitted restores that failed and were recomputed
+    retries: int = 0  # lookups of a request besides its counted one (waits, preemptions)
+    retry_reused_tokens: int = 0  # tokens skipped again by preempted sequences' re-admissions
 
     def record(self, outcome: Outcome, queried: int, matched: int) -> None:
-        """Count one lookup of `queried` tokens with a usable match of `matched` tokens."""
+        """Count a request's one lookup (its deciding one) of `queried` tokens (its prompt)
+        with a usable match of `matched` tokens."""
         self.lookups += 1
         self.queried_tokens += queried
         if outcome is not Outcome.NO_MATCH:
@@ -99,6 +111,10 @@ class ReuseCounters:
         if outcome is Outcome.ADMITTED:
             self.admitted_tokens += matched
         self.outcomes[outcome] += 1
+
+    def record_retry(self) -> None:
+        """Count a lookup of a request that is (or will be) counted by another lookup."""
+        self.retries += 1
 
     def check_conservation(self) -> None:
         """Raises AssertionError when the counters do not add up."""
@@ -119,6 +135,8 @@ class ReuseCounters:
             "reuse_admitted_tokens_total": self.admitted_tokens,
             "reuse_reused_tokens_total": self.reused_tokens,
             "reuse_restore_failures_total": self.restore_failures,
+            "prefix_cache_retries_total": self.retries,
+            "reuse_retry_reused_tokens_total": self.retry_reused_tokens,
         }
         for outcome, n in self.outcomes.items():
             out[f"reuse_outcome_{_snake(outcome.value)}_total"] = n
@@ -140,6 +158,9 @@ class Reuse:
         wait: a transfer ticket (`flare.state.transfer.Ticket`) bringing records from
             disk: the lookup is not decided yet (nothing is counted or adopted); the
             request waits for the ticket and looks up again with it.
+        counts: what `ReuseCounters.record` takes for this lookup (outcome, queried
+            tokens, matched tokens), for the caller to count once per request; None with
+            `wait`.
     """
 
     outcome: Outcome
@@ -148,6 +169,7 @@ class Reuse:
     num_tokens: int = 0
     matched_tokens: int = 0
     wait: Any = None
+    counts: tuple[Outcome, int, int] | None = None
 
 
 class DeviceReuse:
@@ -171,6 +193,7 @@ class DeviceReuse:
         self.checkpoints = checkpoints
         self.tiers = tiers
         self._fallback: tuple[Outcome, int] | None = None
+        self._counts: tuple[Outcome, int, int] | None = None
 
     def checkpoint_usable(self, ckpt: "Checkpoint") -> bool:
         """Whether every KV page of a checkpoint's prefix is still listed."""
@@ -193,26 +216,32 @@ class DeviceReuse:
 
         Returns:
             Reuse; with `wait` set, nothing was decided: wait for that ticket, then call
-            again passing it.
+            again passing it. Nothing is counted: the caller counts `counts` once per
+            request (`ReuseCounters.record`, other lookups `record_retry`).
         """
         if self.tiers is None:
-            return self._acquire_device(tokens, state_slot)
+            return self._counted(self._acquire_device(tokens, state_slot))
         promo = self.tiers.promote(tokens, len(tokens) - 1, waiter, ticket)
         if promo.wait is not None:
             return Reuse(Outcome.NO_MATCH, wait=promo.wait)
         if promo.outcome is not None:
             self._fallback = (promo.outcome, promo.matched_tokens)
         try:
-            return self._acquire_device(tokens, state_slot)
+            return self._counted(self._acquire_device(tokens, state_slot))
         finally:
             self._fallback = None
             self.index.pool.release(list(promo.held))
 
+    def _counted(self, reuse: Reuse) -> Reuse:
+        counts, self._counts = self._counts, None
+        return dataclasses.replace(reuse, counts=counts)
+
     def _record(self, outcome: Outcome, queried: int, matched: int) -> Outcome:
-        """Count the lookup's one outcome: a rejected tier restore replaces NoMatch."""
+        """Decide the lookup's one outcome (a rejected tier restore replaces NoMatch) and
+        keep its counts for the Reuse returned."""
         if outcome is Outcome.NO_MATCH and self._fallback is not None:
             outcome, matched = self._fallback
-        self.counters.record(outcome, queried, matched)
+        self._counts = (outcome, queried, matched)
         return outcome
 
     def _acquire_device(self, tokens: list[int], state_slot: int) -> Reuse:

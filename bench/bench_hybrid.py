@@ -14,6 +14,10 @@ with `prepare_package` and loaded through flare's loader. For each recipe, on on
   previous prompt, its completion and a new user message (token level, as the server keeps
   them); an engine with `prefix_cache=True` and one with `prefix_cache=False` run the same
   turns; the figure is the median over `--repeats` conversations with distinct prefixes.
+- same-prompt-twice TTFT: a 200-token prompt (below the 256-token checkpoint grid) sent
+  again; with reuse it adopts the checkpoint one token before the prompt's end (len - 1
+  cached); also the first send's TTFT with reuse on (the extra one-token step before the
+  prompt's end) vs off.
 Figures, not pass/fail: compare columns of one run, never numbers from another machine.
 Tiny: about 75 s on one CPU thread (a fifth of it loading the tokenizer from the GGUF);
 embedded: about 4 minutes on one thread with `--repeats 1` (building, saving and preparing
@@ -73,6 +77,7 @@ def _run(engine: Engine, reqs: list[GenerationRequest]) -> dict[str, dict]:
         rec["tokens"] += list(o.token_ids)
         if o.finished:
             rec["done"] = time.perf_counter_ns()
+            rec["cached"] = o.num_cached_tokens
 
     engine.on_output = on_output
     t0 = time.perf_counter_ns()
@@ -122,6 +127,24 @@ def conversation_ttft(on: Engine, off: Engine, rng: random.Random, vocab: int,
     return ttft["on"], ttft["off"], len(prompt), reused
 
 
+def same_prompt_ttft(on: Engine, off: Engine, rng: random.Random, vocab: int,
+                     tag: str, n: int = 200) -> tuple[float, float, float, int]:
+    """A `n`-token prompt sent twice to each engine.
+
+    Returns:
+        (TTFT ms of the repeat with reuse, of the repeat without, of the first send with
+        reuse, cached tokens of the repeat with reuse).
+    """
+    prompt = _ids(rng, n, vocab)
+    first = _run(on, [GenerationRequest(f"{tag}-a", prompt, _greedy(4))])
+    again = _run(on, [GenerationRequest(f"{tag}-b", prompt, _greedy(4))])
+    _run(off, [GenerationRequest(f"{tag}-a", prompt, _greedy(4))])
+    cold = _run(off, [GenerationRequest(f"{tag}-b", prompt, _greedy(4))])
+    ms = lambda r, rid: (r[rid]["first"] - r[""]["t0"]) / 1e6  # noqa: E731
+    return (ms(again, f"{tag}-b"), ms(cold, f"{tag}-b"), ms(first, f"{tag}-a"),
+            again[f"{tag}-b"]["cached"])
+
+
 def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) -> dict:
     """Build, prepare and load the `size` random `recipe` model; measure its figures.
 
@@ -144,6 +167,7 @@ def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) ->
     dec1 = decode_tok_s(on, [_ids(rng, 32, vocab)], 128)
     dec8 = decode_tok_s(on, [_ids(rng, 32, vocab) for _ in range(8)], 128)
     runs = [conversation_ttft(on, off, rng, vocab, f"c{i}") for i in range(repeats)]
+    same = [same_prompt_ttft(on, off, rng, vocab, f"s{i}") for i in range(repeats)]
     mem = pkg.manifest.memory
     return {
         "recipe": recipe, "prefill": prefill, "dec1": dec1, "dec8": dec8,
@@ -151,6 +175,10 @@ def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) ->
         "ttft_off": statistics.median(r[1] for r in runs),
         "turn10_prompt": runs[0][2],
         "turn10_reused": statistics.median(r[3] for r in runs),
+        "same_on": statistics.median(r[0] for r in same),
+        "same_off": statistics.median(r[1] for r in same),
+        "same_first_on": statistics.median(r[2] for r in same),
+        "same_cached": statistics.median(r[3] for r in same),
         "state": (mem["state_slots"], mem["state_bytes_per_slot"], mem["state_pool_bytes"],
                   mem["kv_pool_bytes"], pkg.plan.checkpoint_interval),
     }
@@ -198,6 +226,13 @@ def main() -> None:
         print(f"{r['recipe']:8} {r['prefill']:17.0f} {r['dec1']:15.1f} {r['dec8']:15.1f} "
               f"{r['ttft_on']:18.1f} {r['ttft_off']:8.1f} {r['ttft_off'] / r['ttft_on']:7.2f} "
               f"{r['turn10_reused']:>10.0f}")
+    head = (f"{'recipe':8} {'same prompt twice: TTFT on ms':>29} {'off ms':>8} "
+            f"{'cached tok':>10} {'first send on ms':>16}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['recipe']:8} {r['same_on']:29.1f} {r['same_off']:8.1f} "
+              f"{r['same_cached']:>10.0f} {r['same_first_on']:16.1f}")
     for r in rows:
         slots, per_slot, pool, kv, every = r["state"]
         print(f"{r['recipe']}: state pool {slots} slots x {per_slot:,} B = {pool:,} B "

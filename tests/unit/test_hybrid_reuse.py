@@ -414,3 +414,19 @@ def test_counters_count_each_prompt_once_under_page_pressure(tiny, cold):
                          max_batch_tokens=64)
     assert_counters_once_per_request(engine, cold, PAGE)
     assert_idle_accounting(engine)
+
+
+def test_prompt_end_checkpoints_survive_full_checkpoint_slots(tiny, cold):
+    """With every checkpoint slot taken by older, usable checkpoints, the ones a running
+    sequence takes at its prompt's end and the token before it (their partly filled page
+    is published only when it finishes) are not the first retired: the same prompt sent
+    again still reuses len - 1."""
+    engine = make_engine(tiny, checkpoint_interval=256, checkpoint_slots=3)
+    run(engine, words(30, seed=60), greedy(4))  # fills the 3 slots: 29, 30, 33
+    assert len(engine.checkpoints) == 3
+    x = words(50, seed=61)
+    run(engine, x, greedy(4))
+    got, last = run(engine, x, greedy(6))
+    assert last.num_cached_tokens == len(x) - 1
+    assert got == run(cold, x, greedy(6))[0]
+    assert_idle_accounting(engine)

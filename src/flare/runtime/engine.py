@@ -828,9 +828,25 @@ class Engine:
         parent = seq.page_keys[full - 1] if full else index.root
         try:
             ckpts.publish(parent, tuple(seq.token_ids[full * ps:p]), p, seq.state_slot,
-                          self._reuse.checkpoint_usable)
+                          self._checkpoint_usable)
         except Exception:
             log.exception("checkpoint of %s at position %d failed", seq.request_id, p)
+
+    def _checkpoint_usable(self, ckpt: Any) -> bool:
+        """Whether a checkpoint can still be adopted: its KV pages are listed, or a running
+        sequence holds them (its partly filled page is published when it finishes: the
+        checkpoints at a prompt's end and the token before it are taken while it runs, and
+        must not be the first retired)."""
+        if self._reuse.checkpoint_usable(ckpt):
+            return True
+        ps, p = self.plan.page_size, ckpt.position
+        full = p // ps
+        for seq in self.scheduler.running:
+            if (seq.num_computed >= p and len(seq.page_keys) >= full
+                    and (seq.page_keys[full - 1] if full else self.prefix_index.root)
+                    == ckpt.parent and tuple(seq.token_ids[full * ps:p]) == ckpt.tail):
+                return True
+        return False
 
     def _append(self, seq: Sequence, token: int) -> None:
         """Add a sampled token to `seq`, decide whether it finished, and emit its output."""

@@ -35,7 +35,8 @@ class Sequence:
         generator: per-request RNG for sampling.
         page_keys: prefix-index keys of the first len(page_keys) pages (full, published or
             adopted); the next full page is published under `page_keys[-1]`.
-        reuse: the first admission's outcome, as reported to the client.
+        reuse: the deciding admission's outcome (the lookup after which it first ran),
+            as reported to the client.
         needs_lookup: look the prefix index up at the next admission (again after a
             preemption, which drops the pages).
         state_slot: hybrid recipes: the `StateSlotPool` slot holding every conv/recurrent

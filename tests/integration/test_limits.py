@@ -144,9 +144,9 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
     small stream could not even start, and this test fails on its client timeout. Times
     are printed for the record, not asserted.
     """
-    import flare.server.app as app_module
+    import flare.server.generation as core_module  # renders chat prompts
 
-    real = app_module.chat_prompt_ids
+    real = core_module.chat_prompt_ids
     entered, release = threading.Event(), threading.Event()
     times: dict[str, float] = {}
 
@@ -162,7 +162,7 @@ def test_huge_prompt_is_tokenized_without_stalling_other_streams(plain, monkeypa
         release.wait(30)
         return ids
 
-    monkeypatch.setattr(app_module, "chat_prompt_ids", held)
+    monkeypatch.setattr(core_module, "chat_prompt_ids", held)
     huge = {"model": MODEL, "messages": user("word " * (huge_chars // 5)), "max_tokens": 4}
     small = {"model": MODEL, "messages": user("Say hi."), "max_tokens": 8, "temperature": 0,
              "stream": True}
@@ -197,12 +197,12 @@ def test_prompt_too_long_by_its_length_alone_is_refused_without_tokenizing(
         plain, monkeypatch, embedded_checkpoint):
     """A prompt longer than the bound never reaches the chat template or the tokenizer
     (10 MB would cost ~10 s of CPU); the error is the usual context-length 400."""
-    import flare.server.app as app_module
+    import flare.server.generation as core_module  # renders chat prompts
 
     def never(*args, **kwargs):
         raise AssertionError("the over-long prompt reached the tokenizer")
 
-    monkeypatch.setattr(app_module, "chat_prompt_ids", never)
+    monkeypatch.setattr(core_module, "chat_prompt_ids", never)
     monkeypatch.setattr(embedded_checkpoint.tokenizer, "encode", never)
     too_long = _longest_prompt_tokenized(embedded_checkpoint.tokenizer) + 1
     r = plain.post("/v1/chat/completions", json={

@@ -283,6 +283,17 @@ class ResponseFormat(_Request):
         return self
 
 
+def check_distinct_tool_names(names: Sequence[str]) -> None:
+    """Refuse a tool list that names one tool twice (every API surface's rule).
+
+    Raises:
+        ValueError: naming the first repeated name.
+    """
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"two tools are named {dup!r}; names must be distinct")
+
+
 def _check_schema(schema: dict[str, Any]) -> None:
     """Raise ValueError unless `schema` is a valid JSON Schema (any draft's meta-schema)."""
     import jsonschema
@@ -502,10 +513,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
-        names = [t.function.name for t in v or ()]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"two tools are named {dup!r}; names must be distinct")
+        check_distinct_tool_names([t.function.name for t in v or ()])
         return v or None
 
     @field_validator("tool_choice")

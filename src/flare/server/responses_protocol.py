@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from flare.server.protocol import (ApiError, FunctionDefinition, ParamError, _check_schema,
-                                   _Request)
+                                   _Request, check_distinct_tool_names)
 from flare.server.tool_calls import ContentEvent, Event, ToolCall
 
 RESPONSE_ID = r"resp_[0-9a-f]{32}"
@@ -138,10 +138,7 @@ class ResponsesRequest(_Request):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, v: list[ResponseFunctionTool] | None):
-        names = [t.name for t in v or ()]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"two tools are named {dup!r}; names must be distinct")
+        check_distinct_tool_names([t.name for t in v or ()])
         return v or None
 
     @field_validator("tool_choice")

@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from flare.runtime.request import SamplingParams
-from flare.server.protocol import _check_schema
+from flare.server.protocol import _check_schema, check_distinct_tool_names
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -217,10 +217,7 @@ class CountTokensRequest(_Model):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
-        names = [t.name for t in v or ()]
-        dup = next((n for n in names if names.count(n) > 1), None)
-        if dup is not None:
-            raise ValueError(f"two tools are named {dup!r}; names must be distinct")
+        check_distinct_tool_names([t.name for t in v or ()])
         return v or None
 
     @field_validator("tool_choice")

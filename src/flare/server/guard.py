@@ -6,8 +6,9 @@ costs the server nothing. Every refusal is an OpenAI-style error body:
 - 401 `invalid_api_key`: a key is set (`--api-key` or `FLARE_API_KEY`) and the request
   has neither `Authorization: Bearer <key>` nor `x-api-key: <key>` (Anthropic's header) with
   it, on every `/v1` route. The compare is `hmac.compare_digest` (constant time).
-  `/health` is always open; `/metrics` and `/debug/state` are open unless
-  `protect_metrics`.
+  `/health` is always open, and so are the web chat page and the API docs (`/`,
+  `/web/...`, `/docs`, `/openapi.json`: files, no model; the page asks for the key for
+  its API calls); `/metrics` and `/debug/state` are open unless `protect_metrics`.
 - 413 `request_too_large`: the body exceeds `max_body_bytes` (by Content-Length, or while
   a chunked body is read).
 - 429 `queue_full` with `Retry-After`: more requests are waiting than `max_queue` (the
@@ -63,7 +64,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_OPEN_PATHS = {"/health"}
+_OPEN_PATHS = {"/health", "/", "/docs", "/openapi.json"}
+_OPEN_PREFIXES = ("/web/",)  # the web chat's static files (flare.server.web)
 _STATS_PATHS = {"/metrics", "/debug/state"}
 
 
@@ -290,7 +292,7 @@ class RequestGuard:
         return counting_send
 
     def _needs_key(self, path: str) -> bool:
-        if path in _OPEN_PATHS:
+        if path in _OPEN_PATHS or path.startswith(_OPEN_PREFIXES):
             return False
         if path in _STATS_PATHS:
             return self.protect_metrics

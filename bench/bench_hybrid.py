@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from flare.prepare.package import load_package, prepare_package
+from flare.prepare.package import prepare_package
+from flare.package.reader import load_package
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 

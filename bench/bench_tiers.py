@@ -25,7 +25,7 @@ import torch
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 

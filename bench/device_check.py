@@ -104,7 +104,7 @@ def engines(pkg_path: Path, device: str) -> dict[str, Any]:
     """Engines over a package: "graphs" and "eager" on `device` (on CPU "graphs" runs the
     static step eagerly from a plan made here), and "cpu_ref" over the same weights on
     CPU (prefix cache off everywhere, so runs do not share state)."""
-    from flare.prepare.package import load_package
+    from flare.package.reader import load_package
     from flare.runtime.cuda_graphs import GraphPlan, plan_buckets
     from flare.runtime.engine import Engine
 
@@ -156,7 +156,7 @@ def check_invariance(name: str, pkg_path: Path, device: str, tokenizer: Any) -> 
     and beside 3 others, with graphs and without, must be bit-identical."""
     import dataclasses
 
-    from flare.prepare.package import load_package
+    from flare.package.reader import load_package
     from flare.runtime.engine import Engine
 
     pkg = load_package(pkg_path, device=device)
@@ -283,7 +283,7 @@ def serve_once(pkg: Path, device: str, log_path: Path, timeout_s: float = 120) -
 
 def check_model(name: str, pkg: Path, device: str, tokenizer: Any,
                 quick: bool = False) -> None:
-    from flare.contract import read_manifest
+    from flare.package.contract import read_manifest
 
     m = read_manifest(pkg)
     say("INFO", f"{name}: device class {m.device_class}, graph_capture "

@@ -64,7 +64,7 @@ def embedded_server(checkpoint, *, max_seq_len: int, model: str, package_id: str
     """A ServerThread over the real Engine of `checkpoint` (the embedded model), planned for
     `max_seq_len` tokens and 4 sequences; `settings` are ServerSettings fields. Use it as a
     context manager (stops on exit) or call `stop()`."""
-    from flare.prepare.plan import make_plan
+    from flare.package.plan import make_plan
     from flare.runtime.async_engine import AsyncEngine
     from flare.runtime.engine import Engine
     from flare.server.app import ServerSettings

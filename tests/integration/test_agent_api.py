@@ -245,7 +245,7 @@ class _ScriptedEngine:
     package_id = "pkg-fake"
 
     def __init__(self, tokenizer, text):
-        from flare.prepare.plan import CapacityPlan
+        from flare.package.plan import CapacityPlan
 
         self.tokenizer = tokenizer
         self.plan = CapacityPlan(max_seq_len=1024, max_num_seqs=2, page_size=16, num_pages=128,

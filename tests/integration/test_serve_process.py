@@ -217,7 +217,7 @@ def test_flipped_weight_byte_refused(smollm2_package, tmp_path):
         byte = f.read(1)
         f.seek(size - 1000)
         f.write(bytes([byte[0] ^ 0xFF]))
-    from flare.contract import sha256_file
+    from flare.package.contract import sha256_file
 
     found = sha256_file(weights)
     assert found != expected

@@ -350,7 +350,7 @@ class _ScriptedEngine:
     package_id = "pkg-fake"
 
     def __init__(self, tokenizer, script):
-        from flare.prepare.plan import CapacityPlan
+        from flare.package.plan import CapacityPlan
 
         self.tokenizer = tokenizer
         self.plan = CapacityPlan(max_seq_len=512, max_num_seqs=2, page_size=16, num_pages=64,

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flare.loading.checkpoint import load_checkpoint
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 

@@ -11,7 +11,7 @@ import random
 import torch
 
 from flare.models.attention import AttentionBatch, PrefillChunk
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, RequestOutput, SamplingParams
 

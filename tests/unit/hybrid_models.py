@@ -189,7 +189,8 @@ class TinyHybrid:
 
 def build_tiny_hybrid(recipe: str, root: Path, tokenizer, **plan_kw) -> TinyHybrid:
     """Save the tiny `recipe` model, prepare it into a package (fp32) and load it."""
-    from flare.prepare.package import load_package, prepare_package
+    from flare.prepare.package import prepare_package
+    from flare.package.reader import load_package
 
     folder = root / f"tiny-{recipe}"
     model = BUILDERS[recipe](folder, tokenizer)

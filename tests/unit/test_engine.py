@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from flare.loading.checkpoint import load_checkpoint
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine, RequestRejected
 from flare.runtime.request import GenerationRequest, SamplingParams
 

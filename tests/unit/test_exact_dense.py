@@ -17,7 +17,7 @@ from engine_helpers import words
 from exactness import check_batch_neighbours, check_chunkings, check_reuse_positions
 from flare.loading.checkpoint import load_checkpoint
 from flare.models.quant import convert_tensors, default_weight_format
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 
 PAGE = 16

@@ -39,7 +39,7 @@ from flare.models.quant import (
     serving_weight_bytes,
     weight_getter,
 )
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 
 needs_kernel = pytest.mark.skipif(cpu_problem() is not None, reason=str(cpu_problem()))
@@ -363,7 +363,8 @@ def test_prepare_serves_the_files_blocks(gguf_file, tmp_path):
     """`flare prepare` with defaults: the file's format, its blocks in the package, the
     memory report's weight bytes as `serving_weight_bytes` counts them, served tokens
     equal to an engine over the converted tensors."""
-    from flare.prepare.package import load_package, prepare_package
+    from flare.prepare.package import prepare_package
+    from flare.package.reader import load_package
     from flare.runtime.request import GenerationRequest, SamplingParams
 
     name, path = gguf_file

@@ -14,10 +14,10 @@ import shutil
 import pytest
 import torch
 
-from flare.contract import MANIFEST_NAME, PackageError
+from flare.package.contract import MANIFEST_NAME, PackageError
 from flare.models.recipe import recipe_for
-from flare.prepare.package import load_package
-from flare.prepare.plan import layout_for
+from flare.package.reader import load_package
+from flare.package.plan import layout_for
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 from hybrid_models import RECIPES, build_tiny_hybrid, hf_greedy

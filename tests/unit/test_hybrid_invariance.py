@@ -25,7 +25,7 @@ import torch
 from flare.models import hybrid_common as hc
 from flare.models import hybrid_decoder, quant
 from flare.models.qwen3_5 import _l2norm
-from flare.prepare.plan import layout_for
+from flare.package.plan import layout_for
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
 from engine_helpers import greedy, words

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from flare.cli import main as cli_main
-from flare.contract import (
+from flare.package.contract import (
     EXECUTION_ABI,
     MANIFEST_NAME,
     PREPARED_CONTRACT,
@@ -24,7 +24,8 @@ from flare.contract import (
 )
 from flare.loading.checkpoint import load_checkpoint
 from flare.models.quant import convert_tensors
-from flare.prepare.package import ensure_package, load_package, prepare_package
+from flare.prepare.package import ensure_package, prepare_package
+from flare.package.reader import load_package
 
 SAMPLE = "Reverse a string: <|im_start|>user\ns[::-1] ünï 🙂<|im_end|>"
 

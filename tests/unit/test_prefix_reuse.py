@@ -12,7 +12,7 @@ import random
 import pytest
 
 from flare.loading.checkpoint import load_checkpoint
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
 from engine_helpers import assert_one_step_batch_equals_cold, greedy, run, words

@@ -32,7 +32,7 @@ def test_hybrid_package_records_the_checkpoint_flags(tmp_path: Path, embedded_ch
 
 def test_zero_checkpoint_slots_is_a_valid_hybrid_plan(tmp_path: Path, embedded_checkpoint):
     from flare.loading.checkpoint import load_checkpoint
-    from flare.prepare.plan import make_plan
+    from flare.package.plan import make_plan
     from hybrid_models import save_tiny_qwen3_5
 
     folder = tmp_path / "tiny-qwen3_5"

@@ -37,8 +37,9 @@ from flare.models.quant import (
     serving_weight_bytes,
     weight_getter,
 )
-from flare.prepare.package import load_package, prepare_package
-from flare.prepare.plan import make_plan
+from flare.prepare.package import prepare_package
+from flare.package.reader import load_package
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 

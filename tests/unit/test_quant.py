@@ -22,8 +22,9 @@ from flare.models.quant import (
     native_q8x8,
     serving_weight_bytes,
 )
-from flare.prepare.package import PackageTensors, ensure_package, load_package, prepare_package
-from flare.prepare.plan import make_plan
+from flare.prepare.package import ensure_package, prepare_package
+from flare.package.reader import PackageTensors, load_package
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 

@@ -17,7 +17,7 @@ from engine_helpers import last_position_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from flare.models.quant import convert_tensors
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 

@@ -48,9 +48,9 @@ def test_threads_and_log_level_flags():
 
 
 def test_serving_threads_follow_the_package_but_never_exceed_the_cores():
-    from flare.prepare.package import _cpu_threads, serving_threads
+    from flare.runtime.boot import usable_cores, serving_threads
 
-    cores, _ = _cpu_threads()
+    cores, _ = usable_cores()
     assert serving_threads({"torch_num_threads": 1}) == 1
     assert serving_threads({"torch_num_threads": cores + 64}) == cores  # prepared elsewhere
     assert serving_threads({}) == cores

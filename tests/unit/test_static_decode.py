@@ -16,8 +16,9 @@ from flare.cli import build_parser
 from flare.loading.checkpoint import load_checkpoint
 from flare.models.attention import static_decode_attention
 from flare.prepare.attention_tune import measure_decode_attention
-from flare.prepare.package import _graph_bytes, graph_capture_for, load_package
-from flare.prepare.plan import layout_for, make_plan, memory_report
+from flare.prepare.package import _graph_bytes, graph_capture_for
+from flare.package.reader import load_package
+from flare.package.plan import layout_for, make_plan, memory_report
 from flare.runtime.cuda_graphs import DecodeRunner, GraphPlan, pick_bucket, plan_buckets
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams

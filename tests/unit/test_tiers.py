@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flare.loading.checkpoint import load_checkpoint
-from flare.prepare.plan import make_plan
+from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 from flare.state.admission import CostPolicy

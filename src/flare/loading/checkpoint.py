@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from flare.contract import file_entry
+from flare.package.contract import file_entry
 from flare.models.config import ModelConfig
 
 # Files of a Hugging Face folder that decide the model's behaviour (beside the weights);

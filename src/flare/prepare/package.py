@@ -1,4 +1,4 @@
-"""Write a runtime package (prepare) and read one back (serve).
+"""Write a runtime package (prepare); `flare.package.reader` reads one back (serve).
 
 A package folder holds:
     model.safetensors   weights, Hugging Face names, serving dtype; with weight format
@@ -8,7 +8,7 @@ A package folder holds:
                         suffixed names (see `flare.models.quant`)
     tokenizer files     whatever `tokenizer.save_pretrained` writes (transformers 5:
                         tokenizer.json, tokenizer_config.json, chat_template.jinja)
-    manifest.json       `flare.contract.Manifest`
+    manifest.json       `flare.package.contract.Manifest`
 It is written into a temporary sibling folder and renamed into place, so a reader never
 sees a half-written package.
 """
@@ -19,20 +19,17 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import PreTrainedTokenizerBase
 from tqdm.auto import tqdm
 
 import flare
-from flare.contract import (
+from flare.package.contract import (
     EXECUTION_ABI,
     MANIFEST_NAME,
     PREPARED_CONTRACT,
@@ -51,74 +48,17 @@ from flare.loading.checkpoint import (
     load_checkpoint,
     source_identity,
 )
-from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.quant import (WEIGHT_FORMATS, check_weight_format, convert_tensors,
                                 default_weight_format, fp16_overflow, serving_weight_bytes)
 from flare.models.recipe import RECIPE_VERSIONS, StateLayout, is_hybrid_recipe, recipe_for
-from flare.prepare.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
+from flare.package.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
                                 CapacityPlan, dtype_from_name, dtype_name, layout_for,
                                 make_plan, memory_report)
 from flare.prepare.runtime_base import runtime_base_bytes
+from flare.package.reader import WEIGHTS_NAME, check_state_layout
+from flare.runtime.boot import usable_cores
 from flare.runtime.cuda_graphs import graph_memory_bytes, plan_buckets
-
-WEIGHTS_NAME = "model.safetensors"
-
-
-@dataclass
-class LoadedPackage:
-    """A checked package in memory.
-
-    Attributes:
-        path: the package folder.
-        manifest: its manifest.
-        config: model hyper-parameters (from `manifest.config`).
-        plan: capacity plan serve allocates from.
-        tensors: HF name -> tensor on the requested device, as stored (serving dtype;
-            float16 2-D weights for weight format `fp16`). A `PackageTensors` mapping:
-            each access reads the tensor from the package file, nothing is held here.
-        tokenizer: transformers tokenizer with `chat_template`.
-    """
-
-    path: Path
-    manifest: Manifest
-    config: ModelConfig
-    plan: CapacityPlan
-    tensors: Mapping[str, torch.Tensor]
-    tokenizer: PreTrainedTokenizerBase
-
-
-class PackageTensors(Mapping[str, torch.Tensor]):
-    """Read-only name -> tensor mapping over a safetensors file, reading a tensor (memory
-    mapped by safetensors) each time it is asked for, never caching it.
-
-    The model keeps only what it builds from these tensors (fused q/k/v and gate/up,
-    weights packed for the kernels), so the weights in memory are the model's alone: a tensor it
-    replaced is unmapped when dropped, and the memory report's weight bytes hold.
-
-    Args:
-        path: the `model.safetensors` file.
-        device: where returned tensors live ("cpu", "cuda:0", ...).
-    """
-
-    def __init__(self, path: Path, device: str = "cpu") -> None:
-        self.path, self.device = Path(path), device
-        with safe_open(str(self.path), framework="pt") as f:
-            self._names = list(f.keys())
-        self._known = frozenset(self._names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._known:
-            raise KeyError(name)
-        with safe_open(str(self.path), framework="pt", device=self.device) as f:
-            return f.get_tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
 
 def _stage(msg: str, progress: bool) -> None:
     if progress:
@@ -134,32 +74,10 @@ def device_total_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _cpu_threads() -> tuple[int, str]:
-    # Cores this process may run on (container/taskset limits), not the host's count.
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)), "len(os.sched_getaffinity(0))"
-    return os.cpu_count() or 1, "os.cpu_count()"
-
-
-def serving_threads(tuning: Mapping[str, Any], requested: int | None = None) -> int:
-    """Threads of torch's intra-op pool for serving a CPU package.
-
-    `requested` when given (flare serve --threads); else the package's tuning
-    `torch_num_threads`, at most the cores this process may run on now (the package may
-    have been prepared where more cores were free). More threads than cores makes OpenMP
-    threads wait on each other at every barrier: decode steps 10-50x slower were seen with
-    two threads on two busy cores.
-    """
-    if requested is not None:
-        return requested
-    cores, _ = _cpu_threads()
-    return max(1, min(int(tuning.get("torch_num_threads") or cores), cores))
-
-
 def tuning_for(device: str, plan: CapacityPlan) -> dict[str, Any]:
     """Tuning choices recorded in the manifest. Nothing is measured yet: the dict says so."""
     if torch.device(device).type == "cpu":
-        threads, how = _cpu_threads()
+        threads, how = usable_cores()
         return {"torch_num_threads": threads, "threads_from": how,
                 "max_batch_tokens": plan.max_batch_tokens, "measured": False}
     return {"max_batch_tokens": plan.max_batch_tokens, "measured": False}
@@ -350,7 +268,7 @@ def prepare_package(
         out_dir: package folder to create; an existing package there is replaced
             atomically (a temporary sibling folder is renamed into place).
         max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens: capacity plan
-            (see `flare.prepare.plan.make_plan`; None = its default).
+            (see `flare.package.plan.make_plan`; None = its default).
         dtype: serving dtype name: "float32", "bfloat16" or "float16".
         model_name: overrides the name taken from the file or folder.
         device: "cpu" or "cuda[:N]": the device class the package is prepared for; its
@@ -412,67 +330,6 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def load_package(path: Path, device: str = "cpu") -> LoadedPackage:
-    """Check a package (`flare.contract.check_package`) and load it.
-
-    Args:
-        path: package folder.
-        device: where the tensors go ("cpu", "cuda", "cuda:1"); its device class must
-            equal the package's.
-
-    Raises:
-        PackageError: the package fails a check (message names expected and found),
-            including a recipe or state layout that differs from what this build's recipe
-            computes for the package's config and plan (`check_state_layout`).
-    """
-    path = Path(path)
-    manifest = check_package(path, device_class=device_class_of(device))
-    config, plan = check_state_layout(manifest, where=f"package {str(path)!r}")
-    tensors = PackageTensors(path / WEIGHTS_NAME, device=str(torch.device(device)))
-    tokenizer = load_tokenizer(path)
-    return LoadedPackage(path=path, manifest=manifest, config=config, plan=plan,
-                         tensors=tensors, tokenizer=tokenizer)
-
-
-def check_state_layout(manifest: Manifest, where: str = "package"
-                       ) -> tuple[ModelConfig, CapacityPlan]:
-    """Rebuild the package's config and plan and check them against this build's recipe:
-    the recipe that runs the config must be the manifest's, and the state layout it
-    computes at the plan's page size and dtype must equal `manifest.state_layout` (the
-    layout is part of the contract: pools are allocated from it, and reused states are
-    read through it).
-
-    Returns:
-        (config, plan).
-
-    Raises:
-        PackageError: an unreadable config or plan, another recipe, or a layout that
-            differs (naming the first differing field, with both values).
-    """
-    try:
-        config = ModelConfig.from_hf(manifest.config)
-        plan = CapacityPlan.from_dict(manifest.plan)
-        recipe = recipe_for(config)
-        layout = layout_for(config, plan).describe()
-    except (TypeError, ValueError) as exc:
-        raise PackageError(f"{where}: config or plan unreadable by this flare: {exc}") from None
-    if recipe != manifest.recipe:
-        raise PackageError(f"{where}: recipe mismatch: the config runs on {recipe!r}, the "
-                           f"package names {manifest.recipe!r}")
-    if layout != manifest.state_layout:
-        diff = sorted(k for k in set(layout) | set(manifest.state_layout)
-                      if layout.get(k) != manifest.state_layout.get(k))
-        first = diff[0]
-        raise PackageError(
-            f"{where}: state layout mismatch in {diff}: recipe {recipe!r} computes "
-            f"{first}={layout.get(first)!r}, the package has "
-            f"{first}={manifest.state_layout.get(first)!r}; prepare it again")
-    if layout["layer_states"] and plan.state_slots < plan.max_num_seqs:
-        raise PackageError(f"{where}: plan has {plan.state_slots} state slots for "
-                           f"{plan.max_num_seqs} sequences of a hybrid recipe")
-    return config, plan
 
 
 def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",

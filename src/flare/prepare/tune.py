@@ -12,8 +12,8 @@ time is below a factor of the estimated prefill time of the tokens it replaces
   back; the read may be served from the page cache, so it is an upper bound: say so in
   the manifest).
 
-The results go into the manifest's tuning section; `cost_policy_from_tuning` turns them
-back into a `CostPolicy` at serve time.
+The results go into the manifest's tuning section; `flare.runtime.boot.cost_policy_from_tuning`
+turns them back into a `CostPolicy` at serve time.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from flare.state.admission import DEFAULT_BYTES_PER_S, CostPolicy
 
 TRANSFER_PROBE_BYTES = 32 << 20
 PREFILL_PROBE_TOKENS = (128, 512)
@@ -104,20 +103,3 @@ def restore_cost_inputs(config: Any, plan: Any, tensors: dict[str, torch.Tensor]
     if torch.device(device).type == "cpu":
         out["prefill_tokens_per_s"] = measure_prefill(config, plan, tensors, tokenizer)
     return out
-
-
-def cost_policy_from_tuning(tuning: dict[str, Any], factor: float = 0.5) -> CostPolicy:
-    """A `CostPolicy` from a manifest's tuning section: the slowest measured prefill speed
-    (the longest probe) and the measured tier speeds; defaults where nothing was measured.
-
-    Raises:
-        ValueError: `factor` is negative.
-    """
-    if factor < 0:
-        raise ValueError(f"restore cost factor must be >= 0, got {factor}")
-    prefill = tuning.get("prefill_tokens_per_s") or {}
-    speeds = dict(DEFAULT_BYTES_PER_S)
-    speeds.update({k: float(v) for k, v in (tuning.get("transfer_bytes_per_s") or {}).items()})
-    if prefill:
-        return CostPolicy(factor, min(float(v) for v in prefill.values()), speeds)
-    return CostPolicy(factor=factor, bytes_per_s=speeds)

@@ -69,7 +69,7 @@ def machine() -> dict[str, Any]:
 def package_info(package: Path) -> dict[str, Any]:
     """What the packet records about a runtime package: identity, plan, memory report and
     the KV layout the verifier needs to check the KV pool's bytes."""
-    from flare.contract import MANIFEST_NAME, read_manifest
+    from flare.package.contract import MANIFEST_NAME, read_manifest
 
     m = read_manifest(package)
     cfg = m.config

@@ -33,7 +33,7 @@ import torch
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
 from flare.models.config import ModelConfig
 from flare.models.recipe import build_model, recipe_for
-from flare.prepare.plan import CapacityPlan, layout_for
+from flare.package.plan import CapacityPlan, layout_for
 from flare.runtime.cuda_graphs import DecodeRunner, GraphPlan
 from flare.runtime.detokenize import IncrementalDetokenizer
 from flare.runtime.request import GenerationRequest, RequestOutput, RequestTimings
@@ -252,7 +252,7 @@ class Engine:
     @classmethod
     def from_package(cls, package: Any, *, cuda_graphs: bool = True,
                      **kwargs: Any) -> "Engine":
-        """Build from a `flare.prepare.package.LoadedPackage` on the device its tensors
+        """Build from a `flare.package.reader.LoadedPackage` on the device its tensors
         were loaded onto; `kwargs` as for `Engine`. The manifest's `graph_capture` plan is
         honoured on CUDA unless `cuda_graphs` is False (`flare serve --no-cuda-graphs`).
 

@@ -54,8 +54,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flare.runtime.engine import RequestRejected
 from flare.runtime.request import GenerationRequest
 from flare.server.anthropic.routes import messages_router
-from flare.server.generation import (SSE_HEADERS, ClosingStreamingResponse, GenerationCore,
-                                     new_id)
+from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
+                                     GenerationCore, new_id)
 from flare.server.grammar import GrammarConstraint
 from flare.server.guard import RequestGuard, ServerCounters, check_message_count
 from flare.server.logprobs import chat_logprobs, completion_logprobs
@@ -241,16 +241,6 @@ def create_app(
 
     check_model = core.check_model
 
-    def check_session(req: ChatCompletionRequest | CompletionRequest, num_tokens: int) -> None:
-        """A named session must be able to pin its state (docs/api-extensions.md)."""
-        core = getattr(engine, "engine", None)
-        if req.session is None or not hasattr(core, "check_session_budget"):
-            return
-        try:
-            core.check_session_budget(req.session, num_tokens)
-        except RequestRejected as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
-
     def check_logit_bias(req: ChatCompletionRequest | CompletionRequest) -> None:
         vocab = len(engine.tokenizer)
         bad = [t for t, _ in req.logit_bias_pairs if t >= vocab]
@@ -291,7 +281,8 @@ def create_app(
             answer = {"type": "object"}
         elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
             answer = rf.json_schema.schema_
-        specs = [(t.function.name, t.function.parameters) for t in req.tools or ()]
+        specs = [(t.function.name, t.function.parameters, t.function.strict is not False)
+                 for t in req.tools or ()]
         return await core.constraints(specs, mode, only=req.forced_tool_name,
                                       parallel=req.parallel_tool_calls is not False,
                                       answer=answer, n=req.n)
@@ -306,7 +297,7 @@ def create_app(
         when the reply may hold tool calls."""
         param = "messages" if kind == "chat" else "prompt"
         max_tokens = core.completion_budget(req.requested_max_tokens, len(prompt_ids), param)
-        check_session(req, len(prompt_ids) + max_tokens)
+        core.check_session(req.session, len(prompt_ids) + max_tokens)
         check_logit_bias(req)
         response_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         created = int(time.time())
@@ -340,7 +331,7 @@ def create_app(
                     content=parsed.content if parsed.content or not calls else None,
                     tool_calls=calls or None)
                 choices.append(ChatChoice(index=i, message=message, finish_reason=(
-                    api_finish_reason(c.finish_reason, bool(calls))),
+                    api_finish_reason(parsed.finish_reason(c.finish_reason), bool(calls))),
                     logprobs=chat_logprobs(c.logprobs, engine.tokenizer)))
             body: Any = ChatCompletionResponse(
                 id=response_id, created=created, model=served_name,
@@ -374,7 +365,8 @@ def create_app(
         make_parser = None
         if tools:
             make_parser = core.parser_factory([t.function.name for t in tools],
-                                              1 if body.parallel_tool_calls is False else None)
+                                              1 if body.parallel_tool_calls is False else None,
+                                              strict=mode in FORCED_MODES)
         return await run(request, body, "chat", prompt_ids, arrival_ns, constraints, make_parser)
 
     @app.post("/v1/completions")
@@ -432,7 +424,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           device: str = "cpu", cuda_graphs: bool = True, **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
-    load_package -> Engine.from_package -> AsyncEngine (inside uvicorn's event loop, which
+    `engine_from_package` (load_package -> Engine.from_package) -> AsyncEngine (inside
+    uvicorn's event loop, which
     it needs) -> uvicorn. The engine is stopped when the server exits.
 
     Args:
@@ -459,24 +452,17 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         TypeError: an unknown setting.
         Whatever `load_package` raises for a package this build cannot serve.
     """
-    import torch
     import uvicorn
 
-    from flare.prepare.package import load_package, serving_threads
     from flare.runtime.async_engine import AsyncEngine
-    from flare.runtime.engine import Engine
-
-    from flare.prepare.tune import cost_policy_from_tuning
+    from flare.runtime.boot import engine_from_package
 
     server_settings = ServerSettings(**settings)
-    package = load_package(package_path, device=device)
-    if package.manifest.device_class == "cpu" or threads is not None:
-        torch.set_num_threads(serving_threads(package.manifest.tuning, threads))
-    policy = cost_policy_from_tuning(package.manifest.tuning, restore_cost_factor)
-    engine = Engine.from_package(package, cuda_graphs=cuda_graphs,
-                                 prefix_cache=prefix_cache, cost_policy=policy,
-                                 state_dir=state_dir, max_pinned_pages=max_pinned_pages)
-    engine.save_state_on_stop = save_state_on_shutdown
+    package, engine = engine_from_package(
+        package_path, device=device, threads=threads,
+        restore_cost_factor=restore_cost_factor, cuda_graphs=cuda_graphs,
+        save_state_on_shutdown=save_state_on_shutdown, prefix_cache=prefix_cache,
+        state_dir=state_dir, max_pinned_pages=max_pinned_pages)
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,

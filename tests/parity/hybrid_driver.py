@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
-from flare.models.recipe import StateLayout
+from flare.state.layout import StateLayout
 from flare.state.pools import KVCache, PagePool
 from flare.state.slots import StateSlotPool
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flare.models.recipe import LayerStateSpec, StateLayout
+from flare.state.layout import LayerStateSpec, StateLayout
 from flare.state.pools import PoolExhausted
 from flare.state.slots import StateSlotPool
 

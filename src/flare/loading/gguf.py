@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from flare.loading.checkpoint import Checkpoint, check_tensor_names, source_identity
+from flare.loading.source import Checkpoint, check_tensor_names, source_identity
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.quant import GGUF_BLOCK_BYTES, GGUFBlocks

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from flare.loading.checkpoint import Checkpoint, check_tensor_names, source_identity
+from flare.loading.source import Checkpoint, check_tensor_names, source_identity
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.recipe import prepare_tensors, recipe_for

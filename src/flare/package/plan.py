@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from flare.models.config import ModelConfig
-from flare.models.recipe import StateLayout, model_state_layout, recipe_for
+from flare.models.recipe import model_state_layout, recipe_for
+from flare.state.layout import StateLayout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -41,17 +41,12 @@ from flare.package.contract import (
     read_manifest,
     scan_payload,
 )
-from flare.loading.checkpoint import (
-    Checkpoint,
-    checkpoint_format,
-    default_model_name,
-    load_checkpoint,
-    source_identity,
-)
+from flare.loading.checkpoint import load_checkpoint
+from flare.loading.source import Checkpoint, checkpoint_format, default_model_name, source_identity
 from flare.models.config import ModelConfig
 from flare.models.quant import (WEIGHT_FORMATS, check_weight_format, convert_tensors,
                                 default_weight_format, fp16_overflow, serving_weight_bytes)
-from flare.models.recipe import RECIPE_VERSIONS, StateLayout, is_hybrid_recipe, recipe_for
+from flare.models.recipe import RECIPE_VERSIONS, is_hybrid_recipe, recipe_for
 from flare.package.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
                                 CapacityPlan, dtype_from_name, dtype_name, layout_for,
                                 make_plan, memory_report)
@@ -59,6 +54,7 @@ from flare.prepare.runtime_base import runtime_base_bytes
 from flare.package.reader import WEIGHTS_NAME, check_state_layout
 from flare.runtime.boot import usable_cores
 from flare.runtime.cuda_graphs import graph_memory_bytes, plan_buckets
+from flare.state.layout import StateLayout
 
 def _stage(msg: str, progress: bool) -> None:
     if progress:

@@ -35,17 +35,27 @@ import dataclasses
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from flare.state.checkpoints import Checkpoint, CheckpointIndex
     from flare.state.pools import KVCache
     from flare.state.prefix_index import PrefixIndex
     from flare.state.slots import StateSlotPool
-    from flare.state.tiers import TierStore
     from flare.state.transfer import Ticket
 
 log = logging.getLogger(__name__)
+
+
+class TierPromoter(Protocol):
+    """What admission asks of the tiers below the device pool; `flare.state.tiers.TierStore`
+    is the implementation. Admission and tiers meet here, so neither imports the other
+    both ways: tiers import admission's `Outcome` and `CostPolicy`, admission only this."""
+
+    def promote(self, tokens: list[int], limit: int, waiter: str,
+                ticket: "Ticket | None" = None) -> Any:
+        """Bring the part of `tokens[:limit]`'s state held below the device into the device
+        pools when worth its cost; returns a `flare.state.tiers.PromoteResult`."""
 
 
 class Outcome(str, enum.Enum):
@@ -188,7 +198,7 @@ class DeviceReuse:
 
     def __init__(self, index: "PrefixIndex", kv: "KVCache", policy: CostPolicy,
                  counters: ReuseCounters, checkpoints: "CheckpointIndex | None" = None,
-                 tiers: "TierStore | None" = None) -> None:
+                 tiers: "TierPromoter | None" = None) -> None:
         self.index, self.kv, self.policy, self.counters = index, kv, policy, counters
         self.checkpoints = checkpoints
         self.tiers = tiers

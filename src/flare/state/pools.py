@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from flare.models.recipe import StateLayout
+from flare.state.layout import StateLayout
 
 
 class PoolExhausted(RuntimeError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flare.models.recipe import StateLayout
+from flare.state.layout import StateLayout
 from flare.state.pools import PoolExhausted
 
 

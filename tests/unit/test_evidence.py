@@ -248,7 +248,7 @@ def test_receipt_binds_packet_package_corpus_and_verifier(good: Path):
     assert ids["corpus"]["sha256"] == "c" * 64
     v = ids["verifier"]
     assert v["sources"] == verifier_sources()
-    assert "checks.py" in v["sources"] and "schemas/packet.v1.schema.json" in v["sources"]
+    assert "checks/counters.py" in v["sources"] and "schemas/packet.v1.schema.json" in v["sources"]
     assert len(v["sources_sha256"]) == 64
 
 

@@ -12,25 +12,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from flare.package.contract import file_entry
+from flare.loading.tokenizer import TOKENIZER_FILES
 from flare.models.config import ModelConfig
+from flare.package.contract import file_entry
 
 # Files of a Hugging Face folder that decide the model's behaviour (beside the weights);
 # their hashes make up the source identity.
-FOLDER_META_FILES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
+FOLDER_META_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+                     *TOKENIZER_FILES)
 # A quantization tag at the end of a GGUF file stem: "SmolLM2-135M-Instruct.Q4_1".
 _QUANT_SUFFIX = re.compile(r"[.\-_](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 

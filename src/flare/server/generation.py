@@ -125,6 +125,7 @@ class GenerationCore:
         self.accepted_names = {n for n in (self.served_name, engine.model_name,
                                            engine.package_id) if n}
         self.prompt_bound = PromptBound(engine.tokenizer, engine.plan.max_seq_len)
+        self.metrics: Any = None  # flare.server.metrics.RequestMetrics: observes each stream
 
     # ---- checks -------------------------------------------------------------------------
 
@@ -259,7 +260,10 @@ class GenerationCore:
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The merged engine streams `(choice index, output)` of one API request, under
         the server's request timeout (measured from `arrival_ns`, monotonic)."""
-        outputs = merge_streams([self.engine.generate(r) for r in requests])
+        streams = [self.engine.generate(r) for r in requests]
+        if self.metrics is not None:
+            streams = [self.metrics.observe(s) for s in streams]
+        outputs = merge_streams(streams)
         timeout = self.settings.request_timeout_s
         if timeout is not None:
             deadline = arrival_ns / 1e9 + timeout  # monotonic clock, s

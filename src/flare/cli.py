@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="SECONDS",
                        help="abort a request this long after it arrived: 504, or an error "
                             "event in a started stream (default: no limit)")
+    serve.add_argument("--header-timeout", type=positive_seconds, default=10.0,
+                       metavar="SECONDS",
+                       help="close a connection whose request headers take longer "
+                            "(408; default 10)")
+    serve.add_argument("--body-timeout", type=positive_seconds, default=30.0,
+                       metavar="SECONDS",
+                       help="close a connection whose request body takes longer to arrive, "
+                            "counted from its headers (408; default 30)")
     serve.add_argument("--threads", type=positive_int, default=None,
                        help="CPU threads of the engine's tensor operations (default: the "
                             "package's tuning, at most the cores this process may use)")
@@ -261,6 +269,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           api_key=args.api_key, protect_metrics=args.protect_metrics,
           max_body_bytes=args.max_body_bytes, max_queue=args.max_queue,
           max_messages=args.max_messages, request_timeout_s=args.request_timeout,
+          header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
           prefix_cache=not args.no_prefix_cache,
           state_dir=str(state_dir) if state_dir else None,
           restore_cost_factor=args.restore_cost_factor,

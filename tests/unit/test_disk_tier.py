@@ -517,3 +517,62 @@ def _check_after_crash(folder: Path, budget: int, writer) -> set[bytes]:
         assert not any(rejected.values()), rejected
         assert not list((folder / "rejected").iterdir())
     return set(keys)
+
+
+# ---- a damaged index (issue 23) -----------------------------------------------------------
+
+
+def _damage_index(folder: Path, how: str) -> None:
+    index = folder / "index.sqlite"
+    if how == "garbage":  # not a database at all
+        index.write_bytes(b"this is not an sqlite file" * 100)
+        for extra in ("index.sqlite-wal", "index.sqlite-shm"):
+            (folder / extra).unlink(missing_ok=True)
+    else:  # "pages": the header survives, the b-tree pages do not ("disk image is malformed")
+        data = bytearray(index.read_bytes())
+        page = struct.unpack(">H", data[16:18])[0] or 65536
+        for i in range(page + 8, len(data), 7):
+            data[i] = (data[i] * 31 + 7) & 0xFF
+        index.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["garbage", "pages"])
+def test_a_damaged_index_is_moved_aside_and_rebuilt_from_verified_records(tmp_path, how,
+                                                                            caplog):
+    records = [_record(seed=i) for i in range(5)]
+    with _tier(tmp_path) as tier:
+        for r in records:
+            assert tier.put(r)
+        tier._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # rows in the main file
+    with _tier(tmp_path, namespace=OTHER_NS) as other:  # another package's record
+        assert other.put(_record(seed=9))
+    _flip(_record_file(tmp_path, records[3].key), _payload_offset(
+        _record_file(tmp_path, records[3].key)) + 1)  # one record damaged as well
+    _damage_index(tmp_path, how)
+    with caplog.at_level("WARNING", logger="flare.state.disk_tier"), _tier(tmp_path) as tier:
+        assert tier.stats.index_rebuilds == 1
+        assert tier.stats.rejected_checksum == 1 and tier.stats.written == 0
+        assert len(tier) == 4 and not tier.contains(records[3].key)
+        for i, r in enumerate(records):
+            if i != 3:
+                _assert_same(tier.get(r.key), r)
+        assert tier.get(records[3].key) is None
+        tier.check_integrity()
+    log = caplog.text
+    assert "4 kept, 1 rejected" in log and "1 of other packages dropped" in log
+    aside = [p.name for p in (tmp_path / "rejected").iterdir()]
+    assert any(n.startswith("index.sqlite.") and n.endswith(".damaged") for n in aside), aside
+    # the rebuilt index is an ordinary one: a reopen finds everything without a rebuild
+    with _tier(tmp_path) as tier:
+        assert tier.stats.index_rebuilds == 0 and len(tier) == 4
+        assert tier.put(records[3]) and len(tier) == 5
+
+
+def test_an_unreadable_folder_is_not_mistaken_for_a_damaged_index(tmp_path):
+    """Only damage triggers a rebuild: a locked or unopenable index still raises."""
+    with _tier(tmp_path) as tier:
+        tier.put(_record())
+    (tmp_path / "index.sqlite").unlink()
+    (tmp_path / "index.sqlite").mkdir()  # cannot be opened as a file
+    with pytest.raises(sqlite3.OperationalError):
+        _tier(tmp_path)

@@ -4,14 +4,18 @@ request deadline, HTTP counters (issue 10)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 from prometheus_client import CollectorRegistry, generate_latest
 
 from flare.server.guard import (
+    Admission,
     PromptBound,
     RequestGuard,
     ServerCounters,
@@ -247,3 +251,147 @@ def test_prompt_bound_refuses_text_longer_than_any_fitting_prompt(embedded_check
         bound.check(bound.max_chars + 1, "messages")
     assert e.value.status_code == 400 and e.value.param == "messages"
     assert "maximum context length is 8 tokens" in str(e.value)
+
+
+# --------------------------------------------------------------------------- issue 23
+
+
+class _Body(BaseModel):
+    model: str = "m"
+    prompt: str = ""
+
+
+def test_a_chunked_body_over_the_limit_is_413_through_a_parsing_route():
+    """FastAPI's body parser turns any exception while reading into 400 "There was an error
+    parsing the body"; the guard answers 413 itself the moment the limit is passed."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: _Body):
+        return {"ok": True}
+
+    app.add_middleware(RequestGuard, api_key=None, max_body_bytes=64 * 1024,
+                       protect_metrics=False, queue_length=lambda: 0, max_queue=4)
+    client = TestClient(app)
+
+    def chunks():  # no Content-Length: 2 MiB in 64 KiB chunks, as in the issue
+        for _ in range(32):
+            yield b" " * (64 * 1024)
+
+    r = client.post("/v1/chat/completions", content=chunks(),
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["connection"] == "close"
+    assert client.post("/v1/chat/completions", json={"prompt": "x"}).json() == {"ok": True}
+
+
+def test_admission_holds_the_bound_for_simultaneous_arrivals():
+    """24 requests arrive in one instant with max_queue 2: exactly 2 get a ticket while
+    nothing is queued yet; a ticket released at enqueue keeps the bound with the queue."""
+    waiting = [0]
+    admission = Admission(lambda: waiting[0], 2)
+    tickets = [admission.take() for _ in range(24)]
+    assert sum(t is not None for t in tickets) == 2
+    first = tickets[0]
+    waiting[0] += 1  # the engine counts it in num_waiting, then the ticket is released
+    first()
+    first()  # idempotent
+    assert admission.pending == 1
+    assert admission.take() is None  # 1 queued + 1 pending: the bound holds
+    waiting[0] = 0  # both started running
+    tickets[1]()
+    assert admission.pending == 0
+    assert admission.take() is not None and admission.take() is not None
+    assert admission.take() is None
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    """A real uvicorn server (Flare's connection protocol and guard) on 127.0.0.1 with
+    a 1 s header timeout and a 1 s body timeout."""
+    import uvicorn
+
+    from flare.server.connection import uvicorn_config
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: _Body):
+        return {"prompt": body.prompt}
+
+    app.add_middleware(RequestGuard, api_key=None, max_body_bytes=1 << 20,
+                       protect_metrics=False, queue_length=lambda: 0, max_queue=64,
+                       body_timeout_s=1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", header_timeout_s=1.0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    yield port
+    server.should_exit = True
+    thread.join(10)
+
+
+def _read_all(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes (bounded by `limit_s`), and when."""
+    sock.settimeout(limit_s)
+    t0, data = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pass
+    return data, time.monotonic() - t0
+
+
+def test_slow_bodies_and_slow_headers_are_cut_by_their_timeouts(slow_server):
+    """Three connections each: a Content-Length larger than the bytes sent, a body
+    trickled a byte at a time, headers never finished. Each gets 408 and is closed
+    within a few seconds; a well-behaved request on a fresh connection is served."""
+    body = b'{"prompt": "hello"}'
+    short = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+             b"content-length: 1000\r\n\r\n" + body)
+    socks = []
+    for _ in range(3):
+        for opening in (short, short[:-len(body)], b"POST /v1/completions HTTP/1.1\r\nhost"):
+            s = socket.create_connection(("127.0.0.1", slow_server))
+            s.sendall(opening)
+            socks.append((s, opening))
+    trickled = [s for s, o in socks if o == short[:-len(body)]]
+    for _ in range(3):  # a byte every 0.5 s: alive, never done
+        time.sleep(0.5)
+        for s in trickled:
+            s.sendall(b" ")
+    for s, opening in socks:
+        data, took = _read_all(s, 10)
+        s.close()
+        assert data.startswith(b"HTTP/1.1 408"), data[:200]
+        code = "header_timeout" if opening.endswith(b"host") else "body_timeout"
+        assert code.encode() in data
+        assert took < 8  # closed by the server, not by our 10 s read limit
+    with socket.create_connection(("127.0.0.1", slow_server)) as s:
+        s.sendall(short.replace(b"1000", str(len(body)).encode()))
+        s.settimeout(10)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_kept_alive_connection_gets_a_fresh_header_timeout(slow_server):
+    """After a response, the next request's headers have the timeout again."""
+    body = b'{"prompt": "hi"}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+               b"\r\ncontent-length: "
+               + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with socket.create_connection(("127.0.0.1", slow_server)) as s:
+        s.settimeout(10)
+        s.sendall(request)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nho")  # and never more
+        data, took = _read_all(s, 10)
+    assert b"408" in data.split(b"\r\n", 1)[0] and took < 8

@@ -145,7 +145,22 @@ def _plots(observations: list[dict[str, Any]], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    names = []
+    names: list[str] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+
+    def per_turn_axes(ax: Any, ylabel: str, title: str, legend: bool) -> None:
+        ax.set_xlabel("turn")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if legend:
+            ax.legend(fontsize=7)
+
     groups = recompute.group_names(observations)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(groups)), 4))
     for i, g in enumerate(groups):
@@ -158,10 +173,7 @@ def _plots(observations: list[dict[str, Any]], out: Path) -> list[str]:
     ax.set_xticklabels(groups, rotation=30, ha="right")
     ax.set_ylabel("TTFT, client clock (ms)")
     ax.set_title("TTFT per group (dots: requests; bar: median)")
-    fig.tight_layout()
-    fig.savefig(out / "ttft_per_group.png", dpi=110)
-    plt.close(fig)
-    names.append("ttft_per_group.png")
+    save(fig, "ttft_per_group.png")
 
     agent = [o for o in observations if o["group"] in (AGENT, AGENT_COLD)]
     sessions = list(dict.fromkeys(o["session"] for o in agent))
@@ -173,16 +185,9 @@ def _plots(observations: list[dict[str, Any]], out: Path) -> list[str]:
             pts = [(t, v / 1e6) for t, v in pts if v is not None]
             if pts:
                 ax.plot(*zip(*pts), style, label=f"{sid} ({'reuse' if group == AGENT else 'cold'})")
-    ax.set_xlabel("turn")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("TTFT, client clock (ms)")
-    ax.set_title("Agent sessions: TTFT per turn, with reuse and cold")
-    if sessions:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "agent_ttft_per_turn.png", dpi=110)
-    plt.close(fig)
-    names.append("agent_ttft_per_turn.png")
+    per_turn_axes(ax, "TTFT, client clock (ms)",
+                  "Agent sessions: TTFT per turn, with reuse and cold", bool(sessions))
+    save(fig, "agent_ttft_per_turn.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for sid in sessions:
@@ -195,16 +200,9 @@ def _plots(observations: list[dict[str, Any]], out: Path) -> list[str]:
                       if o["usage"]["cached_tokens"] is not None]
             if cached:
                 ax.plot(*zip(*cached), "--s", label=f"{sid}: cached tokens")
-    ax.set_xlabel("turn")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("tokens")
-    ax.set_title("Agent sessions: prompt and cached tokens per turn (usage)")
-    if sessions:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "agent_cached_per_turn.png", dpi=110)
-    plt.close(fig)
-    names.append("agent_cached_per_turn.png")
+    per_turn_axes(ax, "tokens", "Agent sessions: prompt and cached tokens per turn (usage)",
+                  bool(sessions))
+    save(fig, "agent_cached_per_turn.png")
     return names
 
 

@@ -3,15 +3,25 @@
 `generate` yields a request's outputs as the engine produces them. If the consumer stops
 early (client disconnect, task cancelled), the request is aborted in the engine, which
 releases its pages at its next step.
+
+`on_enqueued` is how a caller learns the moment its request is counted in the engine's
+`num_waiting`: the HTTP server's queue bound (`flare.server.guard.Admission`) sets it for
+the duration of a request and releases its admission ticket there.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextvars import ContextVar
 
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, RequestOutput
+
+# Called with no arguments, in the submitting context, right after `generate` has queued a
+# request in the engine (so `num_waiting` already counts it); None: nobody is told.
+on_enqueued: ContextVar[Callable[[], None] | None] = ContextVar("flare_on_enqueued",
+                                                                 default=None)
 
 
 class AsyncEngine:
@@ -70,6 +80,9 @@ class AsyncEngine:
         finished = False
         try:
             self.engine.add_request(request)
+            hook = on_enqueued.get()
+            if hook is not None:
+                hook()
             while not finished:
                 out = await queue.get()
                 finished = out.finished

@@ -83,6 +83,8 @@ class EngineCounters:
     steps_total: int = 0
     failed_steps_total: int = 0
     eager_steps_total: int = 0  # steps run by the eager path (prefill, mixed, fallbacks)
+    # requests whose grammar constraint failed mid-generation (finish reason "grammar_error")
+    grammar_failures_total: int = 0
 
 
 class Engine:
@@ -214,6 +216,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._text: dict[str, _SeqText] = {}
         self._inbox: list[GenerationRequest] = []
+        self.num_waiting_peak = 0  # most requests queued at once (stats, case api-queue-burst)
         self._aborts: list[str] = []
         self._commands: list[tuple[Callable[[], Any], Future]] = []
         self._sampled_logprobs: dict[str, Any] = {}  # this step's, by request (`_run`)
@@ -292,6 +295,8 @@ class Engine:
         self.validate(request)
         with self._wake:
             self._inbox.append(request)
+            # the queue only grows here (and by preemption): its high-water mark, exact
+            self.num_waiting_peak = max(self.num_waiting_peak, self.num_waiting)
             self._wake.notify()
 
     def abort(self, request_id: str) -> None:
@@ -433,15 +438,20 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued and not yet running (any thread; no locks taken)."""
-        return len(self.scheduler.waiting) + len(self._inbox)
+        """Requests queued and not yet running (any thread; no locks taken).
+
+        Never an undercount: a request moves from the inbox to the scheduler's waiting
+        queue by being added there first and taken out of the inbox after
+        (`_drain_inbox`), and the inbox is read first."""
+        return len(self._inbox) + len(self.scheduler.waiting)
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy, queue lengths and counters (a snapshot; ints)."""
         c = self.counters
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
+            "num_waiting": self.num_waiting,
+            "num_waiting_peak": self.num_waiting_peak,
             "pages_total": self.pool.num_pages,
             "pages_free": self.pool.num_free,
             "pages_used": self.pool.num_used,
@@ -456,6 +466,7 @@ class Engine:
             "steps_total": c.steps_total,
             "failed_steps_total": c.failed_steps_total,
             "eager_steps_total": c.eager_steps_total,
+            "grammar_failures_total": c.grammar_failures_total,
             **self._decoder_stats(),
             "prefix_cache_pages": self.prefix_index.num_pages if self.prefix_index else 0,
             "prefix_cache_evicted_pages_total":
@@ -583,7 +594,7 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         with self._wake:
-            inbox, self._inbox = self._inbox, []
+            inbox = list(self._inbox)  # left in the inbox until admitted (`num_waiting`)
             aborts, self._aborts = self._aborts, []
             commands, self._commands = self._commands, []
         for fn, fut in commands:
@@ -592,8 +603,12 @@ class Engine:
                     fut.set_result(fn())
                 except BaseException as exc:  # reaches the caller, never the step loop
                     fut.set_exception(exc)
-        for req in inbox:
-            self._admit(req)
+        try:
+            for req in inbox:
+                self._admit(req)
+        finally:
+            with self._wake:
+                del self._inbox[:len(inbox)]  # later arrivals were appended after these
         for rid in aborts:
             seq = self._seqs.get(rid)
             if seq is not None:
@@ -855,21 +870,29 @@ class Engine:
             seq.first_token_ns = time.monotonic_ns()
         seq.token_ids.append(token)
         self.counters.generation_tokens_total += 1
+        constraint = seq.request.constraint
         if token in text_state.stop_ids:
             if seq.request.params.logprobs is not None:  # not part of the text: no logprob
                 self._sampled_logprobs.pop(seq.request_id, None)
-            self._finish(seq, "stop", new_tokens=[token])
+            self._finish(seq, self._stop_reason(constraint), new_tokens=[token])
             return
-        constraint = seq.request.constraint
         if constraint is not None:
             constraint.advance(token)
         text, stopped = text_state.stops.push(text_state.detok.push(token))
         if stopped or (constraint is not None and constraint.is_done()):
-            self._finish(seq, "stop", new_tokens=[token], text=text)
+            self._finish(seq, self._stop_reason(constraint), new_tokens=[token], text=text)
         elif len(seq.token_ids) >= seq.max_len:
             self._finish(seq, "length", new_tokens=[token], text=text)
         else:
             self._emit(seq, [token], text)
+
+    def _stop_reason(self, constraint: Any) -> str:
+        """"stop", or "grammar_error" when the request's constraint gave up (its output
+        is then not what the grammar promised, so it must not end as a clean stop)."""
+        if constraint is not None and getattr(constraint, "error", None):
+            self.counters.grammar_failures_total += 1
+            return "grammar_error"
+        return "stop"
 
     def _finish(self, seq: Sequence, reason: str, *, new_tokens: list[int] | None = None,
                 text: str = "", error: str | None = None) -> None:

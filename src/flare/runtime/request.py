@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-FinishReason = Literal["stop", "length", "abort"]
+# "grammar_error": the request's grammar constraint failed mid-generation (its output is
+# not what the grammar promised); docs/operations.md
+FinishReason = Literal["stop", "length", "abort", "grammar_error"]
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -180,7 +182,8 @@ class RequestOutput:
         text: new completion text, safe to send: never a partial UTF-8 character, never a
             prefix of a stop string that may still complete.
         finished: True on the last output of the request.
-        finish_reason: "stop", "length" or "abort" when finished, else None.
+        finish_reason: "stop", "length", "abort" or "grammar_error" when finished,
+            else None.
         num_prompt_tokens: tokens in the prompt.
         num_completion_tokens: completion tokens so far (all steps).
         num_cached_tokens: prompt tokens served from the prefix cache, not computed.

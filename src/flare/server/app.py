@@ -57,7 +57,8 @@ from flare.server.anthropic.routes import messages_router
 from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
                                      GenerationCore, new_id)
 from flare.server.grammar import GrammarConstraint
-from flare.server.guard import RequestGuard, ServerCounters, check_message_count
+from flare.server.guard import (RequestGuard, ServerCounters, check_message_count,
+                                unencodable_text)
 from flare.server.logprobs import chat_logprobs, completion_logprobs
 from flare.server.protocol import (
     ApiError,
@@ -109,6 +110,10 @@ class ServerSettings:
         max_messages: most messages in one chat request (400 beyond).
         request_timeout_s: seconds from a request's arrival after which it is aborted
             (504, or an error event in a stream); None: no limit.
+        header_timeout_s: seconds a request's headers may take to arrive (408 and the
+            connection closed beyond; `flare.server.connection`).
+        body_timeout_s: seconds a request's body may take to arrive in full, from its
+            headers (408 and the connection closed beyond; None: no limit).
     """
 
     served_model_name: str | None = None
@@ -120,6 +125,8 @@ class ServerSettings:
     max_queue: int = 256
     max_messages: int = 2048
     request_timeout_s: float | None = None
+    header_timeout_s: float = 10.0
+    body_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         if self.max_messages < 1:
@@ -127,6 +134,10 @@ class ServerSettings:
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be positive seconds, got "
                              f"{self.request_timeout_s}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive seconds, got {value}")
         if self.tool_parser not in ("auto", *TOOL_PARSERS):
             raise ValueError(f"unknown tool parser {self.tool_parser!r}; expected one of "
                              f"auto, {', '.join(TOOL_PARSERS)}")
@@ -206,7 +217,8 @@ def create_app(
                        protect_metrics=settings.protect_metrics,
                        queue_length=lambda: (engine.num_waiting if hasattr(engine, "num_waiting")
                                              else engine.stats().get("num_waiting", 0)),
-                       max_queue=settings.max_queue, counters=counters)
+                       max_queue=settings.max_queue, counters=counters,
+                       body_timeout_s=settings.body_timeout_s)
     app.state.engine = engine
     app.include_router(sessions_router(engine))
     app.include_router(responses_router(engine, core, settings))  # /v1/responses
@@ -383,8 +395,7 @@ def create_app(
             try:
                 prompt_ids = list(await asyncio.to_thread(tokenizer.encode, body.prompt))
             except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape
-                raise ApiError(400, f"prompt text cannot be encoded: {e}",
-                               param="prompt") from e
+                raise unencodable_text("prompt") from e
         else:
             vocab = len(tokenizer)
             bad = next((t for t in body.prompt if not 0 <= t < vocab), None)
@@ -455,6 +466,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     from flare.runtime.async_engine import AsyncEngine
+    from flare.server.connection import uvicorn_config
     from flare.runtime.boot import engine_from_package
 
     server_settings = ServerSettings(**settings)
@@ -468,7 +480,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,
                                    package_id=package.manifest.package_id)
         app = create_app(async_engine, server_settings, owns_engine=True)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        config = uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                header_timeout_s=server_settings.header_timeout_s,
                                 timeout_graceful_shutdown=shutdown_timeout_s)
         await uvicorn.Server(config).serve()
 

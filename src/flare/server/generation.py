@@ -42,8 +42,9 @@ from flare.server.grammar import (
     json_grammar,
     tool_call_grammar,
 )
-from flare.server.guard import PromptBound, ServerCounters, with_deadline
+from flare.server.guard import PromptBound, ServerCounters, unencodable_text, with_deadline
 from flare.server.protocol import ApiError, ChatMessage, Tool
+from flare.server.schema_check import check_request_schemas
 from flare.server.streaming import Tally, merge_streams
 from flare.server.tool_calls import ParsedMessage, ToolCallParser
 from flare.server.tool_formats import ToolFormat, get_format
@@ -194,7 +195,7 @@ class GenerationCore:
             param = f"messages[{e.message_index}]" if e.message_index is not None else "messages"
             raise ApiError(400, str(e), param=param, code="invalid_chat_template_input") from e
         except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape ("\ud800")
-            raise ApiError(400, f"message text cannot be encoded: {e}", param="messages") from e
+            raise unencodable_text("messages") from e
 
     async def constraints(self, specs: Sequence[tuple[str, dict[str, Any] | None]], mode: str,
                           *, only: str | None = None, parallel: bool = True,
@@ -217,8 +218,11 @@ class GenerationCore:
 
         Raises:
             ApiError: 400 `unsupported_schema` naming the chat field llguidance cannot
-                enforce (`response_format`, `tools[i].function.parameters`).
+                enforce (`response_format`, `tools[i].function.parameters`), or whose
+                schema no finite value satisfies (`flare.server.schema_check`; checked for
+                every tool whatever the tool choice, before anything is compiled).
         """
+        check_request_schemas(specs, answer)
         fmt = self.tool_format
         if mode in ("required", "named"):
             grammar, parts = tool_call_grammar(fmt, specs, only=only, parallel=parallel)

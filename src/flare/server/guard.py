@@ -10,9 +10,15 @@ costs the server nothing. Every refusal is an OpenAI-style error body:
   `/web/...`, `/docs`, `/openapi.json`: files, no model; the page asks for the key for
   its API calls); `/metrics` and `/debug/state` are open unless `protect_metrics`.
 - 413 `request_too_large`: the body exceeds `max_body_bytes` (by Content-Length, or while
-  a chunked body is read).
-- 429 `queue_full` with `Retry-After`: more requests are waiting than `max_queue` (the
-  server-side EnqueueRejected).
+  a chunked body is read: the 413 is sent the moment the limit is passed, whatever the
+  route's body parser makes of the cut-off body, and the connection is closed).
+- 408 `body_timeout`: the body did not arrive in full within `body_timeout_s` seconds of
+  the request's headers (a client that announces more bytes than it sends, or trickles
+  them); the connection is closed. The headers themselves have their own limit, enforced
+  where they are parsed (`flare.server.connection`).
+- 429 `queue_full` with `Retry-After`: the queue bound `max_queue` would be passed
+  (`Admission`: requests waiting in the engine plus POSTs that have passed this guard and
+  are not yet queued there; the server-side EnqueueRejected).
 - 500 `internal_error`: anything unexpected inside; answered here so the connection stays
   usable.
 
@@ -53,6 +59,7 @@ from typing import Any, TypeVar
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from flare.runtime.async_engine import on_enqueued
 from flare.server.anthropic import errors as anthropic_errors
 from flare.server.protocol import ApiError
 
@@ -69,8 +76,49 @@ _OPEN_PREFIXES = ("/web/",)  # the web chat's static files (flare.server.web)
 _STATS_PATHS = {"/metrics", "/debug/state"}
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyRefused(Exception):
+    """Raised into the route's body reader after the guard has answered the request."""
+
+
+class Admission:
+    """The queue bound, held at the moment of enqueueing (case api-queue-burst).
+
+    A POST takes a ticket on arrival when `queue_length() + pending < max_queue`, where
+    `pending` counts tickets taken and not yet released; the check and the increment run
+    with no await between them, so requests that arrive in the same instant cannot all pass
+    on the same reading. A ticket is released when its request is queued in the engine
+    (`flare.runtime.async_engine.on_enqueued`, called right after the engine counts it in
+    `num_waiting`) or when the request ends without being queued (a refusal, an error, a
+    route that queues nothing). So `num_waiting` never exceeds `max_queue` for requests of
+    one choice; a request of `n` choices holds one ticket and queues `n` sequences.
+
+    Args:
+        queue_length: sequences waiting in the engine now (may be read from any thread).
+        max_queue: the bound.
+    """
+
+    def __init__(self, queue_length: Callable[[], int], max_queue: int) -> None:
+        self.queue_length = queue_length
+        self.max_queue = max_queue
+        self.pending = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> "Callable[[], None] | None":
+        """A release function for a new ticket, or None when the bound is reached."""
+        with self._lock:
+            if self.queue_length() + self.pending >= self.max_queue:
+                return None
+            self.pending += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if not released:
+                    released = True
+                    self.pending -= 1
+
+        return release
 
 
 class ServerCounters(Collector):
@@ -204,7 +252,8 @@ def keys_match(given: str, expected: str) -> bool:
 
 
 class RequestGuard:
-    """ASGI middleware enforcing the API key, the body size limit and the queue limit.
+    """ASGI middleware enforcing the API key, the body size and time limits and the queue
+    limit.
 
     Args:
         app: the wrapped ASGI app.
@@ -212,20 +261,24 @@ class RequestGuard:
         max_body_bytes: largest accepted request body, bytes.
         protect_metrics: require the key on /metrics and /debug/state too.
         queue_length: returns how many requests wait for the engine now.
-        max_queue: most waiting requests before new POSTs get 429.
+        max_queue: most waiting requests before new POSTs get 429 (see `Admission`).
         counters: counts every response by status, refusals included (None: not counted).
+        body_timeout_s: seconds the whole body may take to arrive, from the request's
+            start (None: no limit).
     """
 
     def __init__(self, app: Any, *, api_key: str | None, max_body_bytes: int,
                  protect_metrics: bool, queue_length: Callable[[], int],
-                 max_queue: int, counters: ServerCounters | None = None) -> None:
+                 max_queue: int, counters: ServerCounters | None = None,
+                 body_timeout_s: float | None = None) -> None:
         self.app = app
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.protect_metrics = protect_metrics
-        self.queue_length = queue_length
+        self.admission = Admission(queue_length, max_queue)
         self.max_queue = max_queue
         self.counters = counters
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -244,38 +297,72 @@ class RequestGuard:
                           f"limit of {self.max_body_bytes:,} bytes", "request_too_large",
                           path=path)
             return
-        if scope.get("method") == "POST" and self.queue_length() >= self.max_queue:
-            await _refuse(send, 429, f"{self.max_queue} requests are already waiting; retry "
-                          "shortly", "queue_full", retry_after=1, path=path)
-            return
+        release = None
+        if scope.get("method") == "POST":
+            release = self.admission.take()
+            if release is None:
+                await _refuse(send, 429, f"{self.max_queue} requests are already waiting; "
+                              "retry shortly", "queue_full", retry_after=1, path=path)
+                return
+        token = on_enqueued.set(release)
+        try:
+            await self._serve(scope, receive, send, path)
+        finally:
+            on_enqueued.reset(token)
+            if release is not None:
+                release()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         seen = 0
-        started = False
+        started = refused = body_done = False
+        deadline = (time.monotonic() + self.body_timeout_s
+                    if self.body_timeout_s is not None else None)
+
+        async def refuse(status: int, message: str, code: str) -> None:
+            nonlocal started, refused
+            if not started:
+                started = refused = True
+                # the rest of the body is never read: the connection cannot be reused
+                await _refuse(send, status, message, code, path=path, close=True)
 
         async def limited_receive() -> dict[str, Any]:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done or deadline is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+                except asyncio.TimeoutError:
+                    await refuse(408, f"the request body did not arrive within "
+                                 f"{self.body_timeout_s:g} s (flare serve --body-timeout)",
+                                 "body_timeout")
+                    raise _BodyRefused from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                body_done = body_done or not message.get("more_body", False)
                 if seen > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    await refuse(413, f"request body exceeds the limit of "
+                                 f"{self.max_body_bytes:,} bytes", "request_too_large")
+                    raise _BodyRefused
             return message
 
         async def tracking_send(message: dict[str, Any]) -> None:
             nonlocal started
+            if refused:  # the guard has answered; what the route makes of it goes nowhere
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await _refuse(send, 413, f"request body exceeds the limit of "
-                              f"{self.max_body_bytes:,} bytes", "request_too_large", path=path)
+        except _BodyRefused:
+            pass
         except Exception:
             # answered here, not re-raised: an exception that reaches the server's outermost
             # layer makes uvicorn drop the keep-alive connection after the 500
             log.exception("unexpected error on %s", path)
             if not started:
+                started = True
                 await _refuse(send, 500, "internal server error", "internal_error",
                               kind="server_error", path=path)
 
@@ -318,7 +405,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 async def _refuse(send: Send, status: int, message: str, code: str,
                   retry_after: int | None = None, kind: str | None = None,
-                  path: str = "") -> None:
+                  path: str = "", close: bool = False) -> None:
     if anthropic_errors.is_messages_path(path):
         if code == "queue_full":
             status = anthropic_errors.OVERLOADED_STATUS
@@ -331,5 +418,16 @@ async def _refuse(send: Send, status: int, message: str, code: str,
                (b"content-length", str(len(body)).encode())]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def unencodable_text(param: str) -> ApiError:
+    """The 400 for text the tokenizer cannot take: in practice a lone UTF-16 surrogate
+    (`"\\ud800"` in the JSON), which is no Unicode character. Said in the request's terms,
+    never the tokenizer's (whose own message names its internal types)."""
+    return ApiError(400, f"{param} contains text that is not valid Unicode (a lone surrogate "
+                         "escape such as \\ud800, half of a UTF-16 pair); send whole "
+                         "characters.", param=param, code="invalid_unicode")

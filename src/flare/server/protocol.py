@@ -615,7 +615,9 @@ class CompletionRequest(_SamplingRequest):
 
 # --------------------------------------------------------------------------- responses
 
-ApiFinishReason = Literal["stop", "length", "tool_calls"]
+# "grammar_error": a forced structure (response_format, a forced tool call) could not be
+# completed; the output is cut where the grammar failed (docs/operations.md)
+ApiFinishReason = Literal["stop", "length", "tool_calls", "grammar_error"]
 
 
 class PromptTokensDetails(BaseModel):

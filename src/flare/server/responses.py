@@ -58,7 +58,7 @@ from flare.runtime.engine import RequestRejected
 from flare.runtime.request import GenerationRequest, SamplingParams
 from flare.server.chat import ChatTemplateError, render_chat
 from flare.server.generation import SSE_HEADERS, ClosingStreamingResponse, GenerationCore, new_id
-from flare.server.guard import check_message_count
+from flare.server.guard import check_message_count, unencodable_text
 from flare.server.protocol import ApiError
 from flare.server.responses_protocol import (
     RESPONSE_ID,
@@ -314,7 +314,7 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             raise ApiError(400, str(e), param=param_of(e.message_index),
                            code="invalid_chat_template_input") from e
         except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape
-            raise ApiError(400, f"input text cannot be encoded: {e}", param="input") from e
+            raise unencodable_text("input") from e
 
         max_tokens = gen.completion_budget(body.max_output_tokens, len(prompt_ids), "input")
         mode = body.tool_mode

@@ -22,6 +22,17 @@ a whole file, and the only debris is a temporary file or a record file without a
 Opening the tier deletes both (a record without a row is lost, not re-indexed: it is a
 cache entry, and re-indexing would mean reading every such file at start-up).
 
+A damaged index. When the index cannot be read at open (SQLite reports a malformed or
+foreign file: `sqlite3.DatabaseError`, or `PRAGMA quick_check` is not "ok"), the tier does
+not fail: it moves `index.sqlite` (and its `-wal` / `-shm` files) aside into rejected/
+(`index.sqlite.<UTC time>.damaged`), creates an empty index and rebuilds it from the record
+files (`_rebuild_index`): each file named for this namespace is read and verified whole,
+as `get` verifies it, and indexed when it passes; one that fails is moved to rejected/
+and counted by its reason; another namespace's files cannot be verified without that
+package's layout and are dropped as orphans. The outcome is logged (kept, rejected,
+dropped) and counted (`index_rebuilds`). The LRU order is rebuilt from the files' mtimes.
+An `OperationalError` (locked, unwritable, out of space) is not damage and still raises.
+
 Namespaces and versions. Rows of another namespace (package) or format version are never
 offered (`contains`, `children`, `keys`, `get` ignore them) and are left on disk, but
 they count against the budget and are evicted first: this process can never use them.
@@ -40,8 +51,10 @@ import itertools
 import os
 import sqlite3
 import struct
+import logging
 import tempfile
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +64,9 @@ from flare.state.disk_records import KINDS, RecordError, StateRecord
 __all__ = ["DiskTier", "DiskTierStats", "StateRecord", "REJECTED_KEEP"]
 
 REJECTED_KEEP = 32  # rejected files kept in rejected/ (oldest deleted first)
+INDEX_NAME = "index.sqlite"
+
+log = logging.getLogger(__name__)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
     namespace TEXT NOT NULL,
@@ -99,6 +115,7 @@ class DiskTierStats:
     rejected_io: int = 0
     temp_deleted: int = 0  # leftover temporary files deleted on open
     orphans_deleted: int = 0  # record files without a row deleted on open
+    index_rebuilds: int = 0  # a damaged index moved aside and rebuilt from the files
 
     def as_stats(self) -> dict[str, int]:
         """Flat counters for /metrics: `disk_tier_<field>_total`."""
@@ -153,15 +170,13 @@ class DiskTier:
         self._rejected.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_folder(self.folder)
         self._dir_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
-        self._db = sqlite3.connect(self.folder / "index.sqlite", check_same_thread=False,
-                                   isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # NORMAL: a commit survives a process crash; a power loss may lose the last ones,
-        # which leaves files without rows (deleted on open) or rows without files (dropped).
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
         self._nbytes = 0
         self._clock = itertools.count()
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = self._open_index(check=True)
+        except sqlite3.DatabaseError as exc:
+            self._rebuild_index(exc)
         self._recover()
 
     # ---- queries ------------------------------------------------------------------------
@@ -479,6 +494,84 @@ class DiskTier:
         kept = sorted(self._rejected.iterdir(), key=lambda p: p.stat().st_mtime_ns)
         for old in kept[:-REJECTED_KEEP]:
             _unlink(old)
+
+    def _open_index(self, check: bool = False) -> sqlite3.Connection:
+        """Connect to the index (created if missing) with the tier's settings.
+
+        Raises:
+            sqlite3.DatabaseError: the file is damaged (with `check`: also when
+                `PRAGMA quick_check` finds damage), or cannot be opened.
+        """
+        db = sqlite3.connect(self.folder / INDEX_NAME, check_same_thread=False,
+                             isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL: a commit survives a process crash; a power loss may lose the last
+            # ones, which leaves files without rows (deleted on open) or rows without files
+            # (dropped).
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            if check:
+                verdict = db.execute("PRAGMA quick_check").fetchone()
+                if not verdict or verdict[0] != "ok":
+                    raise sqlite3.DatabaseError(f"quick_check: {verdict and verdict[0]}")
+                db.execute("SELECT namespace, key, kind, parent, tokens, position, nbytes, "
+                           "format_version, file, last_used FROM records").fetchall()
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _rebuild_index(self, damage: sqlite3.DatabaseError) -> None:
+        """Move a damaged index aside and index the verified record files of this
+        namespace again (module docstring).
+
+        Raises:
+            sqlite3.DatabaseError: `damage` itself when it is an OperationalError (locked,
+                unwritable: not damage), or the fresh index cannot be created either.
+            OSError: the folder cannot be read or written.
+        """
+        if isinstance(damage, sqlite3.OperationalError):
+            raise damage
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = self._rejected / f"{INDEX_NAME}.{stamp}.damaged"
+        for suffix in ("", "-wal", "-shm"):
+            path = self.folder / f"{INDEX_NAME}{suffix}"
+            if path.exists():
+                os.replace(path, self._rejected / f"{aside.name}{suffix}")
+        self._db = self._open_index()
+        self.stats.index_rebuilds += 1
+        ours = f".{self._tag}.rec"
+        files = sorted((e.stat().st_mtime_ns, e.name) for e in os.scandir(self.folder)
+                       if e.is_file() and e.name.endswith(ours))
+        kept = rejected = 0
+        with self._lock:
+            for _, name in files:  # oldest first: the LRU clock follows the mtimes
+                path = self.folder / name
+                try:
+                    key = bytes.fromhex(name.removesuffix(ours))
+                    with open(path, "rb") as f:
+                        size = os.fstat(f.fileno()).st_size
+                        record = rec.read(f, size, self.namespace, self.layout, key,
+                                          self.format_version)
+                except (RecordError, ValueError, OSError) as e:
+                    reason = e.reason if isinstance(e, RecordError) else (
+                        "io" if isinstance(e, OSError) else "malformed")
+                    field = f"rejected_{reason}"
+                    setattr(self.stats, field, getattr(self.stats, field) + 1)
+                    self._move_aside(path, reason)
+                    rejected += 1
+                    continue
+                self._insert(record, name, size)
+                kept += 1
+            self.stats.written -= kept  # rebuilt rows, not writes
+            self._nbytes = 0  # `_recover`, which runs next, counts every row
+        dropped = sum(1 for e in os.scandir(self.folder)
+                      if e.is_file() and e.name.endswith(".rec") and not e.name.endswith(ours))
+        log.warning("disk tier index %s was damaged (%s); moved aside to %s and rebuilt from "
+                    "the record files: %d kept, %d rejected (in %s), %d of other packages "
+                    "dropped", self.folder / INDEX_NAME, damage, aside, kept, rejected,
+                    self._rejected, dropped)
 
     def _recover(self) -> None:
         """Clean up after a crash or another run: delete temporary files and orphans, drop

@@ -132,7 +132,8 @@ class SessionRegistry:
         """Forget a session (its state stays cached until evicted). Raises SessionError."""
         self.get(name)
         with self._lock:
-            self._sessions.pop(name, None)
+            if self._sessions.pop(name, None) is None:  # a concurrent delete came first
+                raise SessionError(f"session {name!r} does not exist", missing=True)
         self._persist()
 
     def mark_saved(self, name: str, tokens: list[int], saved_tokens: int) -> bool:

@@ -20,9 +20,11 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from flare.loading.source import Checkpoint, check_tensor_names, source_identity
+from flare.loading.gguf_hybrid import (HYBRID_ARCHITECTURES, hybrid_blocks, hybrid_hf_config,
+                                       hybrid_tensors)
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
-from flare.models.quant import GGUF_BLOCK_BYTES, GGUFBlocks
+from flare.models.quant import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES, GGUFBlocks
 from flare.models.recipe import recipe_for
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -136,9 +138,12 @@ def gguf_hf_config(reader: GGUFReader, where: str = "GGUF") -> dict[str, Any]:
         ValueError: unsupported architecture or a required key missing, naming it.
     """
     arch = _field(reader, "general.architecture")
+    if arch in HYBRID_ARCHITECTURES:  # lfm2, qwen35: flare.loading.gguf_hybrid
+        return hybrid_hf_config(reader, arch, lambda key, default=None:
+                                _field(reader, key, default), where)
     if arch not in ARCHITECTURES:
         raise ValueError(f"{where}: GGUF architecture {arch!r} is not supported; "
-                         f"supported: {sorted(ARCHITECTURES)}")
+                         f"supported: {sorted(ARCHITECTURES | HYBRID_ARCHITECTURES)}")
 
     def req(key: str) -> Any:
         value = _field(reader, f"{arch}.{key}")
@@ -208,6 +213,8 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
         ValueError: a tensor name with no HF equivalent, or a type `gguf` cannot
             dequantize, naming it.
     """
+    if not config.is_dense:
+        return hybrid_tensors(reader, config, dtype, progress=progress, where=where)
     permute = config.model_type == "llama"
     out: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
@@ -234,7 +241,8 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
 def gguf_blocks(reader: GGUFReader, config: ModelConfig,
                 where: str = "GGUF") -> dict[str, GGUFBlocks]:
     """Each 2-D weight's GGUF type, with the file's own block bytes for the types the
-    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0).
+    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0, Q5_0, Q4_K,
+    Q6_K).
 
     The bytes are uint8 [rows, bytes per row] views of the file map (no copy), except for
     a llama q_proj / k_proj, whose rows get the loader's un-permutation (`unpermute_qk`
@@ -244,6 +252,8 @@ def gguf_blocks(reader: GGUFReader, config: ModelConfig,
         ValueError: a tensor name with no HF equivalent, or block bytes of an unexpected
             shape (naming the tensor).
     """
+    if not config.is_dense:
+        return hybrid_blocks(reader, config, where)
     permute = config.model_type == "llama"
     out: dict[str, GGUFBlocks] = {}
     for t in reader.tensors:
@@ -258,8 +268,8 @@ def gguf_blocks(reader: GGUFReader, config: ModelConfig,
             out[name] = GGUFBlocks(kind, None)
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists the fastest axis first
-        per_row = cols // 32 * GGUF_BLOCK_BYTES[kind]
-        if cols % 32 or t.data.dtype != np.uint8 or t.data.size != rows * per_row:
+        per_row = cols // GGUF_BLOCK_VALUES[kind] * GGUF_BLOCK_BYTES[kind]
+        if cols % GGUF_BLOCK_VALUES[kind] or t.data.dtype != np.uint8 or t.data.size != rows * per_row:
             raise ValueError(f"{where}: tensor {t.name!r} ({kind}) has {t.data.size} bytes "
                              f"of blocks, expected {rows} rows of {per_row}")
         with warnings.catch_warnings():  # a read-only view of the file map, never written

@@ -281,3 +281,55 @@ def test_push_after_finish_is_an_error():
     parser.finish()
     with pytest.raises(RuntimeError):
         parser.push("x")
+
+
+# --------------------------------------------------------------------------- strict (forced)
+
+# SmolLM2 under tool_choice "required" with parallel_tool_calls at its default and
+# max_tokens 48 (case api-tool-required-parallel-default): one complete call, then a second
+# started and cut by the limit.
+CUT_SECOND = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_weather", "')
+CUT_FIRST = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+CLOSE_CUT = '<tool_call>\n{"name": "list_files", "arguments": {}}\n</tool'
+
+
+@pytest.mark.parametrize("text, calls", [
+    (CUT_SECOND, [("get_weather", {"city": "Paris"})]),
+    (CUT_FIRST, []),
+    (CLOSE_CUT, [("list_files", {})]),
+    (CUT_SECOND[:CUT_SECOND.index("</tool_call>") + 13], [("get_weather", {"city": "Paris"})]),
+], ids=["second_call_cut", "first_call_cut", "closing_tag_cut", "separator_only"])
+def test_strict_parser_drops_the_unfinished_call_api_tool_required_parallel_default(
+        text, calls):
+    """A forced answer is calls only: what the limit cut is dropped, never content, streamed
+    (split anywhere) or not."""
+    whole = HermesParser(TOOLS, strict=True).parse(text)
+    assert whole.content == "" and _calls(whole) == calls and whole.strict
+    for pieces in [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]:
+        parser = HermesParser(TOOLS, strict=True)
+        events = _stream(parser, pieces)
+        assert not [e for e in events if isinstance(e, ContentEvent)], pieces
+        assert _calls(collect(events)) == calls, pieces
+
+
+def test_strict_finish_reason_settles_a_cut_after_complete_calls():
+    """Cut after a complete call: the answer ended with its calls ("stop", reported as
+    tool_calls / tool_use); cut inside the only call: "length" stays; not strict: unchanged."""
+    parser = HermesParser(TOOLS, strict=True)
+    parser.push(CUT_SECOND)
+    parser.finish()
+    assert parser.num_calls == 1 and parser.finish_reason("length") == "stop"
+    assert parser.dropped.strip().startswith("<tool_call>")
+    assert HermesParser(TOOLS, strict=True).parse(CUT_FIRST).finish_reason("length") == "length"
+    loose = HermesParser(TOOLS).parse(CUT_SECOND)
+    assert loose.finish_reason("length") == "length" and loose.content.startswith("<tool_call>")
+
+
+def test_strict_llama3_json_drops_the_unfinished_call():
+    text = '{"name": "search", "parameters": {"q": "x"}}; {"name": "sea'
+    message = Llama3JsonParser(TOOLS, strict=True).parse(text)
+    assert _calls(message) == [("search", {"q": "x"})] and message.content == ""
+    assert message.finish_reason("length") == "stop"
+    pending = Llama3JsonParser(TOOLS, strict=True).parse('{"name": "search", "parameters": {}}')
+    assert _calls(pending) == [("search", {})]

@@ -17,6 +17,8 @@ from flare.server.grammar import (
     GrammarCompiler,
     GrammarError,
     json_grammar,
+    parameters_schema,
+    strict_schema,
     tool_call_grammar,
 )
 from flare.server.tool_formats import FORMATS
@@ -200,3 +202,83 @@ def test_matcher_exceptions_never_escape_into_the_engine_step(compiler):
     assert mask.sum() == 1 and mask[EOS]
     c.advance(5)
     assert c.is_done() and "internal" in c.error
+
+
+# --------------------------------------------------------------------------- strict mode
+
+NO_PARAMS = {"type": "object", "properties": {}}
+
+
+def test_no_parameter_tool_takes_only_empty_arguments_api_tool_no_params(compiler, tokenizer):
+    """Case api-tool-no-params: `{"type": "object", "properties": {}}` with a named
+    tool_choice: `{}` is the only argument object (no invented keys such as `{":": true}`,
+    no echo of the schema)."""
+    fmt = FORMATS["hermes"]
+    grammar = tool_call_grammar(fmt, [("current_time", NO_PARAMS)], only="current_time")
+    assert _walk(compiler.compile(*grammar), tokenizer, fmt.call_text("current_time", "{}")) \
+        is None
+    for bad in ['{":": true}', '{"type": "object"}', '{"time": "now"}']:
+        assert _walk(compiler.compile(*grammar), tokenizer,
+                     fmt.call_text("current_time", bad)) is not None, bad
+
+
+def test_strict_refuses_unlisted_properties_and_enforces_required(compiler, tokenizer):
+    fmt = FORMATS["hermes"]
+    open_weather = {k: v for k, v in WEATHER.items() if k != "additionalProperties"}
+    grammar = tool_call_grammar(fmt, [("get_weather", open_weather)], only="get_weather")
+
+    def ok(arguments, g=grammar):
+        return _walk(compiler.compile(*g), tokenizer,
+                     fmt.call_text("get_weather", arguments)) is None
+
+    assert ok('{"city": "Oslo", "unit": "celsius"}')
+    assert not ok('{"city": "Oslo", "unit": "celsius", "extra": 1}')
+    assert not ok('{"city": "Oslo"}')  # required
+    loose = tool_call_grammar(fmt, [("get_weather", open_weather, False)], only="get_weather")
+    assert ok('{"city": "Oslo", "unit": "celsius", "extra": 1}', loose)  # strict: false
+
+
+@pytest.mark.parametrize("schema, strict", [
+    (None, {"type": "object", "properties": {}, "additionalProperties": False}),
+    ({}, {"type": "object", "properties": {}, "additionalProperties": False}),
+    ({"type": "object"}, {"type": "object", "additionalProperties": False}),
+    ({"properties": {"a": {"type": "string"}}},
+     {"properties": {"a": {"type": "string"}}, "type": "object", "additionalProperties": False}),
+    ({"type": "object", "properties": {"o": {"type": "object", "properties": {}}}},
+     {"type": "object", "additionalProperties": False,
+      "properties": {"o": {"type": "object", "properties": {}, "additionalProperties": False}}}),
+    # nested free-form object: kept open
+    ({"type": "object", "properties": {"env": {"type": "object"}}},
+     {"type": "object", "additionalProperties": False,
+      "properties": {"env": {"type": "object"}}}),
+    # arrays of objects, $defs, anyOf branches
+    ({"type": "object", "properties": {"xs": {"type": "array", "items": {
+        "type": "object", "properties": {"k": {"type": "integer"}}}}},
+      "$defs": {"p": {"type": "object", "properties": {"q": {}}}},
+      "anyOf": [{"type": "object", "properties": {"z": {}}}]},
+     {"type": "object", "properties": {"xs": {"type": "array", "items": {
+         "type": "object", "properties": {"k": {"type": "integer"}},
+         "additionalProperties": False}}},
+      "$defs": {"p": {"type": "object", "properties": {"q": {}}, "additionalProperties": False}},
+      "anyOf": [{"type": "object", "properties": {"z": {}}, "additionalProperties": False}]}),
+    # what the schema says itself is kept
+    ({"type": "object", "properties": {}, "additionalProperties": {"type": "string"}},
+     {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}),
+    ({"type": "object", "patternProperties": {"^x": {}}},
+     {"type": "object", "patternProperties": {"^x": {}}}),
+    # properties that come from a combination are not shut out
+    ({"type": "object", "allOf": [{"properties": {"a": {}}}]},
+     {"type": "object", "allOf": [{"properties": {"a": {}}, "additionalProperties": False}]}),
+], ids=["none", "empty", "bare_object", "untyped", "nested", "free_form", "deep",
+        "additional_schema", "pattern", "all_of"])
+def test_strict_schema_table(schema, strict):
+    before = json.dumps(schema)
+    assert parameters_schema(schema) == strict
+    assert json.dumps(schema) == before  # the request's schema is not modified
+    if schema:
+        assert parameters_schema(schema, strict=False) == {"type": "object", **schema}
+
+
+def test_strict_schema_leaves_non_objects_alone():
+    assert strict_schema({"type": "string"}) == {"type": "string"}
+    assert strict_schema(True) is True

@@ -128,3 +128,18 @@ def test_flare_extension_rides_the_usage_chunk():
     chunks = _run([["a"]], include_usage=True)
     assert chunks[-1]["choices"] == [] and "usage" in chunks[-1] and "flare" in chunks[-1]
     assert all("flare" not in ch for ch in chunks[:-1])
+
+
+def test_strict_cut_after_a_call_ends_with_tool_calls_api_tool_required_parallel_default():
+    """A forced answer cut by max_tokens inside its second call: the complete call, no
+    content, finish_reason tool_calls."""
+    cut = TWO_CALLS[len("Sure.\n"):-20]
+    builder = ChunkBuilder("chat", "chatcmpl-x", "m", 0, None, False)
+
+    async def go():
+        return [e async for e in sse_stream(_outputs([[cut[:33], cut[33:]]], "length"),
+                                            builder, 1, [HermesParser(TOOLS, strict=True)])]
+    chunks = [json.loads(e[len("data: "):]) for e in asyncio.run(go())[:-1]]
+    content, calls, finish = _reassemble(chunks, 1)
+    assert content == [""] and finish == ["tool_calls"]
+    assert [c["name"] for c in calls[0]] == ["run_shell"]

@@ -39,6 +39,7 @@ from flare.server.grammar import (
     GrammarCompiler,
     GrammarConstraint,
     GrammarError,
+    ToolSpec,
     json_grammar,
     tool_call_grammar,
 )
@@ -52,6 +53,9 @@ from flare.server.tool_formats import ToolFormat, get_format
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# tool choices whose answer is forced to be calls (the forcing grammar, a strict parser)
+FORCED_MODES = ("required", "named")
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -197,14 +201,16 @@ class GenerationCore:
         except (TypeError, UnicodeError) as e:  # e.g. a lone surrogate escape ("\ud800")
             raise unencodable_text("messages") from e
 
-    async def constraints(self, specs: Sequence[tuple[str, dict[str, Any] | None]], mode: str,
+    async def constraints(self, specs: Sequence[ToolSpec], mode: str,
                           *, only: str | None = None, parallel: bool = True,
                           answer: dict[str, Any] | None = None, n: int = 1,
                           ) -> list[GrammarConstraint] | None:
         """One grammar constraint per choice, or None when nothing is forced.
 
         Args:
-            specs: (name, parameters schema) per tool, in request order.
+            specs: (name, parameters schema[, strict]) per tool, in request order; the
+                arguments are strict (`flare.server.grammar.strict_schema`) unless a
+                tool's strict is False.
             mode: "none", "auto", "required" or "named" (the tool choice).
             only: the tool a "named" choice forces.
             parallel: allow several forced calls.
@@ -224,7 +230,7 @@ class GenerationCore:
         """
         check_request_schemas(specs, answer)
         fmt = self.tool_format
-        if mode in ("required", "named"):
+        if mode in FORCED_MODES:
             grammar, parts = tool_call_grammar(fmt, specs, only=only, parallel=parallel)
         elif answer is not None and mode == "auto":
             grammar, parts = tool_call_grammar(fmt, specs, parallel=parallel,
@@ -239,12 +245,14 @@ class GenerationCore:
             raise ApiError(400, str(e), param=e.param, code="unsupported_schema") from e
         return self.grammars.copies(first, n)
 
-    def parser_factory(self, names: Sequence[str], max_calls: int | None = None
-                       ) -> Callable[[], ToolCallParser]:
+    def parser_factory(self, names: Sequence[str], max_calls: int | None = None,
+                       strict: bool = False) -> Callable[[], ToolCallParser]:
         """A factory of fresh parsers of the served tool-call format for these tools
-        (`max_calls`: keep at most that many calls; None: all)."""
+        (`max_calls`: keep at most that many calls, None: all; `strict`: the answer is
+        forced, `mode in FORCED_MODES`, so an unfinished call at the end is dropped and
+        `ToolCallParser.finish_reason` settles the finish reason)."""
         names = list(names)
-        return lambda: self.tool_format.parser(names, max_calls)
+        return lambda: self.tool_format.parser(names, max_calls, strict)
 
     @staticmethod
     def parse(make_parser: Callable[[], ToolCallParser] | None, text: str) -> ParsedMessage:

@@ -61,13 +61,72 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
 
 
-def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
-    """A tool's argument schema: `{}` only when it declares no parameters."""
+# keywords that already say what an object may hold beyond its `properties`
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+# keywords that may add properties from elsewhere: `additionalProperties: false` beside
+# them would refuse those (JSON Schema applies it to the sibling `properties` only)
+_COMBINING = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+# keywords whose value is one subschema, a list of them, or a map of names to them
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "additionalProperties", "propertyNames", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def strict_schema(schema: Any, *, top: bool = True) -> Any:
+    """`schema` as strict mode enforces it (OpenAI's function `strict`, Flare's default):
+    every object schema that lists its `properties` (and the top-level one, always) gets
+    `"additionalProperties": false` unless it says itself what else it allows
+    (`additionalProperties`, `patternProperties`, `unevaluatedProperties`) or takes
+    properties from a combination (`allOf`, `anyOf`, `oneOf`, `$ref`, ...); `required`
+    is kept as given and enforced by the grammar. Subschemas (properties, items, anyOf,
+    $defs, ...) are made strict the same way. A nested `{"type": "object"}` without
+    `properties` stays a free-form object.
+
+    Returns:
+        A new schema; `schema` is not modified. A value that is not a dict (a boolean
+        schema) is returned as it is.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key], top=False)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s, top=False) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(s, top=False) for k, s in out[key].items()}
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (
+        kind is None and "properties" in out)
+    if (is_object and (top or "properties" in out)
+            and not any(k in out for k in _OPEN_KEYWORDS + _COMBINING)):
+        out["additionalProperties"] = False
+    return out
+
+
+def parameters_schema(parameters: dict[str, Any] | None, strict: bool = True
+                      ) -> dict[str, Any]:
+    """A tool's argument schema as the grammar enforces it.
+
+    Args:
+        parameters: the tool's JSON Schema of an object (None or `{}`: no parameters).
+        strict: strict mode (`strict_schema`: no property the schema does not list); False
+            only where the request opts out (OpenAI's `"strict": false`).
+
+    Returns:
+        A schema of an object: `{}` is the only value when the tool declares no
+        parameters (`None`, `{}` or `{"type": "object", "properties": {}}` in strict mode).
+    """
     if not parameters:
         return dict(EMPTY_PARAMETERS)
     if "type" not in parameters:
-        return {**parameters, "type": "object"}
-    return parameters
+        parameters = {**parameters, "type": "object"}
+    return strict_schema(parameters) if strict else parameters
 
 
 @dataclass(frozen=True)
@@ -78,14 +137,18 @@ class GrammarPart:
     param: str
 
 
-def tool_call_grammar(fmt: ToolFormat, tools: Sequence[tuple[str, dict[str, Any] | None]],
+ToolSpec = tuple[str, dict[str, Any] | None] | tuple[str, dict[str, Any] | None, bool]
+
+
+def tool_call_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec],
                       *, only: str | None = None, parallel: bool = True,
                       answer_schema: dict[str, Any] | None = None) -> tuple[str, list[GrammarPart]]:
     """Lark grammar of one or more tool calls in `fmt`'s markup.
 
     Args:
         fmt: the model's tool-call format.
-        tools: (name, parameters schema or None) per tool, in request order.
+        tools: (name, parameters schema or None[, strict]) per tool, in request order;
+            strict (default True) is `parameters_schema`'s.
         only: force exactly one call of this tool (a named tool_choice); otherwise calls
             of any of `tools`.
         parallel: allow several calls (separated as the format does), at most
@@ -97,10 +160,10 @@ def tool_call_grammar(fmt: ToolFormat, tools: Sequence[tuple[str, dict[str, Any]
         (grammar text, its parts): the parts let a failure be traced to one field.
     """
     rules, parts, alts = [], [], []
-    for i, (name, params) in enumerate(tools):
+    for i, (name, params, *strict) in enumerate(tools):
         if only is not None and name != only:
             continue
-        args = _lark_json(parameters_schema(params))
+        args = _lark_json(parameters_schema(params, strict[0] if strict else True))
         parts.append(GrammarPart(f"start: {args}", f"tools[{i}].function.parameters"))
         rules += [f"args_{i}: {args}", f"call_{i}: {fmt.call_grammar(name, f'args_{i}')}"]
         alts.append(f"call_{i}")

@@ -41,7 +41,7 @@ from pydantic import (
 )
 
 from flare.runtime.request import SamplingParams
-from flare.state.sessions import SESSION_NAME
+from flare.state.sessions import SessionError, check_name
 
 MAX_STOP_SEQUENCES = 4
 
@@ -96,12 +96,14 @@ class ParamError(ValueError):
     """A validator's error about a parameter other than the field it validates.
 
     Raised inside a pydantic validator; `validation_error` reports `param` (relative to the
-    request body, e.g. "messages[3].tool_call_id") instead of the validated field.
+    request body, e.g. "messages[3].tool_call_id") instead of the validated field, and
+    `code` (e.g. "invalid_session_name") as the error's code.
     """
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 def _format_loc(loc: Sequence[Any]) -> str | None:
@@ -137,7 +139,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> ApiError:
     param = _format_loc(first.get("loc", ()))
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, ParamError):
-        return ApiError(400, f"Invalid value for '{cause.param}': {cause}", param=cause.param)
+        return ApiError(400, f"Invalid value for '{cause.param}': {cause}", param=cause.param,
+                        code=cause.code)
     msgs: list[str] = []
     for err in errors:
         if _format_loc(err.get("loc", ())) != param:
@@ -191,7 +194,23 @@ def _content_text(value: Any) -> Any:
     return "\n".join(texts)
 
 
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOOL_NAME_CHARS = re.compile(r"[A-Za-z0-9_-]+")
+OPENAI_TOOL_NAME_MAX = 64  # OpenAI's function names (chat and Responses)
+ANTHROPIC_TOOL_NAME_MAX = 128  # Anthropic's tool names
+
+
+def check_tool_name(name: str, max_length: int, what: str = "function name") -> str:
+    """Return `name` if it is a valid tool name: 1 to `max_length` characters of a-z, A-Z,
+    0-9, `_` and `-` (the rule of every surface; the length is the surface's: OpenAI 64,
+    Anthropic 128).
+
+    Raises:
+        ValueError: naming the value and the rule (`what` names the field in the message).
+    """
+    if len(name) > max_length or not _TOOL_NAME_CHARS.fullmatch(name):
+        raise ValueError(f"{what} {name!r} must be 1-{max_length} characters of a-z, A-Z, "
+                         "0-9, _ and -")
+    return name
 
 
 class FunctionCall(_Request):
@@ -223,10 +242,7 @@ class FunctionDefinition(_Request):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, v: str) -> str:
-        if not _TOOL_NAME.match(v):
-            raise ValueError(f"function name {v!r} must be 1-64 characters of a-z, A-Z, 0-9, "
-                             "_ and -")
-        return v
+        return check_tool_name(v, OPENAI_TOOL_NAME_MAX)
 
     @field_validator("parameters")
     @classmethod
@@ -375,9 +391,11 @@ class _SamplingRequest(_Request):
     @field_validator("session")
     @classmethod
     def _session_name(cls, v: str | None) -> str | None:
-        if v is not None and not SESSION_NAME.fullmatch(v):
-            raise ValueError(f"session name {v!r} is not valid: use 1-128 letters, digits, "
-                             f"'.', '_' or '-', starting with a letter or digit")
+        if v is not None:
+            try:
+                check_name(v)
+            except SessionError as e:
+                raise ParamError("session", str(e), code="invalid_session_name") from None
         return v
 
     @field_validator("stream_options")

@@ -57,7 +57,8 @@ from fastapi.responses import JSONResponse, Response
 from flare.runtime.engine import RequestRejected
 from flare.runtime.request import GenerationRequest, SamplingParams
 from flare.server.chat import ChatTemplateError, render_chat
-from flare.server.generation import SSE_HEADERS, ClosingStreamingResponse, GenerationCore, new_id
+from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
+                                     GenerationCore, new_id)
 from flare.server.guard import check_message_count, unencodable_text
 from flare.server.protocol import ApiError
 from flare.server.responses_protocol import (
@@ -318,7 +319,8 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
 
         max_tokens = gen.completion_budget(body.max_output_tokens, len(prompt_ids), "input")
         mode = body.tool_mode
-        specs = [(t.name, t.parameters) for t in body.tools or ()] if tools else []
+        specs = ([(t.name, t.parameters, t.strict is not False) for t in body.tools or ()]
+                 if tools else [])
         parallel = body.parallel_tool_calls is not False
         try:
             constraints = await gen.constraints(specs, mode, only=body.forced_name,
@@ -328,7 +330,8 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             e.param = responses_param(e.param)
             raise
         make_parser = (gen.parser_factory([t.name for t in body.tools or ()],
-                                          None if parallel else 1) if tools else None)
+                                          None if parallel else 1,
+                                          strict=mode in FORCED_MODES) if tools else None)
 
         response_id = new_id("resp", "_")
         session = None
@@ -366,13 +369,14 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             "top_p": params.top_p, "truncation": "disabled", "usage": None, "user": None,
             "metadata": body.metadata or {}})
 
-        async def finish(tally: Tally) -> list[dict[str, Any]]:
-            """The closing events; the response is stored before they are sent."""
+        async def finish(tally: Tally, reason: str | None) -> list[dict[str, Any]]:
+            """The closing events (`reason`: the settled finish reason, see
+            `ToolCallParser.finish_reason`); the response is stored before they are sent."""
             c = tally.choices[0]
             usage = usage_object(c.num_prompt_tokens, c.num_completion_tokens,
                                  c.num_cached_tokens)
             flare = {**flare_extension(tally), "continuation": continuation}
-            final = events.finish(c.finish_reason == "length", usage, {"flare": flare})
+            final = events.finish(reason == "length", usage, {"flare": flare})
             if body.store:
                 done = events.response
                 rec = StoredResponse(
@@ -395,8 +399,10 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             raise ApiError(400, str(e), param="input") from e
         if tally is None:
             return Response(status_code=499)  # client closed the request; nobody reads this
-        events.push(_parse(make_parser, tally.choices[0].text))
-        await finish(tally)
+        parsed, reason = _parse(make_parser, tally.choices[0].text,
+                                tally.choices[0].finish_reason)
+        events.push(parsed)
+        await finish(tally, reason)
         return JSONResponse(events.response)
 
     @router.get("/v1/responses/{response_id}")
@@ -418,16 +424,18 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
     return router
 
 
-def _parse(make_parser: Any, text: str) -> list[Event]:
-    """A whole reply as parser events (the streamed path's events, in one piece)."""
+def _parse(make_parser: Any, text: str, engine_reason: str | None
+           ) -> tuple[list[Event], str | None]:
+    """A whole reply as parser events (the streamed path's events, in one piece) and its
+    settled finish reason."""
     if make_parser is None:
-        return [ContentEvent(text)]
+        return [ContentEvent(text)], engine_reason
     try:
         parser = make_parser()
-        return parser.push(text) + parser.finish()
+        return parser.push(text) + parser.finish(), parser.finish_reason(engine_reason)
     except Exception:  # a parser bug must not cost the answer: return it as text
         log.exception("tool-call parser failed; returning the text as content")
-        return [ContentEvent(text)]
+        return [ContentEvent(text)], engine_reason
 
 
 async def _sse(outputs: Any, events: ResponseEvents, make_parser: Any, finish: Any) -> Any:
@@ -448,7 +456,9 @@ async def _sse(outputs: Any, events: ResponseEvents, make_parser: Any, finish: A
             for ev in events.push(parsed):
                 yield sse_bytes(ev)
             if out.finished:
-                for ev in await finish(tally):
+                reason = (out.finish_reason if parser is None
+                          else parser.finish_reason(out.finish_reason))
+                for ev in await finish(tally, reason):
                     yield sse_bytes(ev)
     except ApiError as e:
         for ev in events.fail(e.message, e.code or "server_error"):

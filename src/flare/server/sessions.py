@@ -32,6 +32,8 @@ def _session_error(exc: SessionError) -> ApiError:
         return ApiError(404, str(exc), param="session", code="session_not_found")
     if "already exists" in str(exc):
         return ApiError(409, str(exc), param="id", code="session_exists")
+    if exc.code == "too_many_sessions":  # the same code a chat request naming one more gets
+        return ApiError(400, str(exc), param="id", code=exc.code)
     return ApiError(400, str(exc), param="session", code="invalid_session_name")
 
 

@@ -350,8 +350,11 @@ async def sse_stream(
                     events += parser.finish()
                 chunks += builder.events(index, events)
             if out.finished:
-                reason = api_finish_reason(out.finish_reason,
-                                           parser is not None and parser.num_calls > 0)
+                if parser is None:
+                    reason = api_finish_reason(out.finish_reason, False)
+                else:
+                    reason = api_finish_reason(parser.finish_reason(out.finish_reason),
+                                               parser.num_calls > 0)
                 last = tally.done and not builder.include_usage
                 chunks.append(builder.finish(index, reason,
                                              flare_extension(tally) if last else None))

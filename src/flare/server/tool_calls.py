@@ -29,6 +29,11 @@ stream's deltas always reassemble into the non-streamed message):
   calls keeps its text byte for byte.
 - With `max_calls` (parallel_tool_calls false: 1), calls after the first `max_calls` are
   dropped.
+- `strict` (a forced answer: tool_choice required / any / a named tool, written under the
+  forcing grammar, `flare.server.grammar`): the text can only be calls, so what is left
+  unfinished at the end (a call cut by the token limit) is dropped, never content, and
+  `dropped` says so. `settled_reason` then reports an answer cut after at least one
+  complete call as ended by those calls.
 """
 
 from __future__ import annotations
@@ -72,10 +77,29 @@ Event = ContentEvent | ToolCallEvent
 
 @dataclass
 class ParsedMessage:
-    """What a whole completion parses into."""
+    """What a whole completion parses into; `strict` as the parser's (module docstring)."""
 
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    strict: bool = False
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """`settled_reason` of this message."""
+        return settled_reason(engine_reason, len(self.tool_calls), self.strict)
+
+
+def settled_reason(engine_reason: str | None, num_calls: int, strict: bool) -> str | None:
+    """The engine's finish reason as an answer reports it.
+
+    A strict (forced) answer that the token limit cut after `num_calls` >= 1 complete calls
+    ended with those calls: "stop" (which each surface reports as its tool-call reason:
+    OpenAI `tool_calls`, Anthropic `tool_use`, a completed response); its unfinished call
+    was dropped (`ToolCallParser.dropped`). Anything else is returned unchanged: a forced
+    call cut before it was complete stays "length".
+    """
+    if strict and num_calls > 0 and engine_reason == "length":
+        return "stop"
+    return engine_reason
 
 
 def new_call_id() -> str:
@@ -181,9 +205,11 @@ class ToolCallParser:
     """
 
     def __init__(self, tool_names: Iterable[str] | None = None,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None, strict: bool = False) -> None:
         self.tool_names = None if tool_names is None else frozenset(tool_names)
         self.max_calls = max_calls
+        self.strict = strict
+        self.dropped = ""  # strict: the unfinished text dropped at the end
         self.num_calls = 0
         self._buf = ""
         self._events: list[Event] = []
@@ -200,22 +226,43 @@ class ToolCallParser:
         return self._take()
 
     def finish(self) -> list[Event]:
-        """The text has ended: resolve everything held back (calls or content)."""
+        """The text has ended: resolve everything held back (calls or content; strict:
+        an unfinished call is dropped)."""
         self._finished = True
-        self._step(final=True)
-        if self.num_calls == 0 and self._pending_ws:
+        if self.strict:
+            self._step(final=False)  # every complete call is out
+            self._drop_unfinished()
+        else:
+            self._step(final=True)
+        if self.num_calls == 0 and self._pending_ws and not self.strict:
             self._events.append(ContentEvent(self._pending_ws))
         self._pending_ws = ""
         return self._take()
 
     def parse(self, text: str) -> ParsedMessage:
         """The whole completion at once (what a non-streamed response returns)."""
-        return collect(self.push(text) + self.finish())
+        out = collect(self.push(text) + self.finish())
+        out.strict = self.strict
+        return out
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """`settled_reason` of what this parser has read (call after `finish`)."""
+        return settled_reason(engine_reason, self.num_calls, self.strict)
 
     # -- helpers for subclasses -------------------------------------------------------
 
     def _step(self, final: bool) -> None:
         raise NotImplementedError
+
+    def _drop_unfinished(self) -> None:
+        """Strict end: a call whose JSON object is complete is kept (its closing markup
+        may be cut); anything else left is the start of a call the limit cut: dropped."""
+        pending = getattr(self, "_pending", None)
+        if pending is not None:
+            self._emit_call(pending)
+            self._pending = None
+        self.dropped = self._buf
+        self._buf = ""
 
     def _take(self) -> list[Event]:
         events, self._events = self._events, []
@@ -267,8 +314,8 @@ class HermesParser(ToolCallParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self, tool_names: Iterable[str] | None = None,
-                 max_calls: int | None = None) -> None:
-        super().__init__(tool_names, max_calls)
+                 max_calls: int | None = None, strict: bool = False) -> None:
+        super().__init__(tool_names, max_calls, strict)
         self._state = "text"  # text | call | after
         self._scanner = _ObjectScanner()
         self._scanned = 0
@@ -341,8 +388,8 @@ class Llama3JsonParser(ToolCallParser):
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self, tool_names: Iterable[str] | None = None,
-                 max_calls: int | None = None) -> None:
-        super().__init__(tool_names, max_calls)
+                 max_calls: int | None = None, strict: bool = False) -> None:
+        super().__init__(tool_names, max_calls, strict)
         self._state = "start"  # start | text | calls | after | next
         self._scanner = _ObjectScanner()
         self._scanned = 0

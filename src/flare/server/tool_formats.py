@@ -25,8 +25,10 @@ class ToolFormat:
     separator = "\n"  # between two forced calls
 
     def parser(self, tool_names: Iterable[str] | None = None,
-               max_calls: int | None = None) -> ToolCallParser:
-        return self.parser_class(tool_names, max_calls)
+               max_calls: int | None = None, strict: bool = False) -> ToolCallParser:
+        """A fresh parser of this format (`strict`: a forced answer, see
+        `flare.server.tool_calls`)."""
+        return self.parser_class(tool_names, max_calls, strict)
 
     def call_text(self, name: str, arguments: str) -> str:
         """One call as the model writes it (`arguments`: JSON object text)."""

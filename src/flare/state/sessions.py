@@ -42,11 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class SessionError(ValueError):
-    """A bad session name, or a session that does not exist (`missing` is True then)."""
+    """A bad session name, or a session that does not exist (`missing` is True then);
+    `code` says which refusal it is where it is neither (e.g. "too_many_sessions")."""
 
-    def __init__(self, message: str, missing: bool = False) -> None:
+    def __init__(self, message: str, missing: bool = False, code: str | None = None) -> None:
         super().__init__(message)
         self.missing = missing
+        self.code = code
 
 
 def check_name(name: str) -> str:
@@ -123,7 +125,8 @@ class SessionRegistry:
             if new in self._sessions:
                 raise SessionError(f"session {new!r} already exists")
             if len(self._sessions) >= MAX_SESSIONS:
-                raise SessionError(f"{MAX_SESSIONS} sessions exist already: delete one first")
+                raise SessionError(f"{MAX_SESSIONS} sessions exist already: delete one first",
+                                   code="too_many_sessions")
             self._sessions[new] = Session(src.tokens, src.saved_tokens)
         self._persist()
         return src

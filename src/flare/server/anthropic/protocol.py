@@ -27,7 +27,6 @@ message of text only is a prefill: the prompt ends with it and the reply continu
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
@@ -35,10 +34,14 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from flare.runtime.request import SamplingParams
-from flare.server.protocol import _check_schema, check_distinct_tool_names
+from flare.server.protocol import (
+    ANTHROPIC_TOOL_NAME_MAX,
+    _check_schema,
+    check_distinct_tool_names,
+    check_tool_name,
+)
 
 BLOCK_TYPES = ("text", "tool_use", "tool_result")
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
 class _Model(BaseModel):
@@ -141,6 +144,7 @@ class ToolDefinition(_Model):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
+    strict: bool | None = None  # False: arguments may hold properties the schema lacks
 
     @model_validator(mode="before")
     @classmethod
@@ -153,10 +157,7 @@ class ToolDefinition(_Model):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, v: str) -> str:
-        if not _TOOL_NAME.match(v):
-            raise ValueError(f"tool name {v!r} must be 1-128 characters of a-z, A-Z, 0-9, "
-                             "_ and -")
-        return v
+        return check_tool_name(v, ANTHROPIC_TOOL_NAME_MAX, "tool name")
 
     @field_validator("input_schema")
     @classmethod

@@ -55,6 +55,7 @@ from flare.server.anthropic.protocol import (
     validation_message,
 )
 from flare.server.generation import (
+    FORCED_MODES,
     SSE_HEADERS,
     ClosingStreamingResponse,
     GenerationCore,
@@ -175,9 +176,11 @@ def messages_router(core: GenerationCore) -> APIRouter:
                         ev += parser.finish()
                     chunks += events.events(ev)
                 if out.finished:
-                    reason, seq = stop_of(body, out.finish_reason,
-                                          parser is not None and parser.num_calls > 0,
-                                          token_ids)
+                    if parser is None:
+                        reason, seq = stop_of(body, out.finish_reason, False, token_ids)
+                    else:
+                        reason, seq = stop_of(body, parser.finish_reason(out.finish_reason),
+                                              parser.num_calls > 0, token_ids)
                     chunks += events.finish(reason, seq, usage(
                         out.num_prompt_tokens, out.num_cached_tokens,
                         out.num_completion_tokens))
@@ -203,10 +206,11 @@ def messages_router(core: GenerationCore) -> APIRouter:
         mode = body.tool_mode
         tools = (body.tools or []) if mode != "none" else []
         only = body.tool_choice.name if body.tool_choice and mode == "named" else None
-        constraints = await core.constraints([(t.name, t.input_schema) for t in tools], mode,
+        constraints = await core.constraints([(t.name, t.input_schema, t.strict is not False)
+                                              for t in tools], mode,
                                              only=only, parallel=body.parallel)
-        make_parser = (core.parser_factory([t.name for t in tools],
-                                           None if body.parallel else 1) if tools else None)
+        make_parser = (core.parser_factory([t.name for t in tools], None if body.parallel else 1,
+                                           strict=mode in FORCED_MODES) if tools else None)
         message_id = new_id("msg", "_")
         request_ = GenerationRequest(request_id=message_id, prompt_token_ids=ids,
                                      params=body.sampling_params(max_tokens),
@@ -223,7 +227,8 @@ def messages_router(core: GenerationCore) -> APIRouter:
             return Response(status_code=499)  # client closed the request; nobody reads this
         c = tally.choices[0]
         parsed = core.parse(make_parser, c.text)
-        reason, seq = stop_of(body, c.finish_reason, bool(parsed.tool_calls), token_ids)
+        reason, seq = stop_of(body, parsed.finish_reason(c.finish_reason),
+                              bool(parsed.tool_calls), token_ids)
         return JSONResponse(message(
             message_id, core.served_name, content_blocks(parsed.content, parsed.tool_calls),
             reason, seq, usage(c.num_prompt_tokens, c.num_cached_tokens,

@@ -172,6 +172,9 @@ class DiskTier:
         self._dir_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
         self._nbytes = 0
         self._clock = itertools.count()
+        # keys of the offered rows, kept beside the index so the engine thread can ask
+        # without waiting for the lock a writer holds through its fsyncs (`offered`)
+        self._offered: set[bytes] = set()
         self._db: sqlite3.Connection | None = None
         try:
             self._db = self._open_index(check=True)
@@ -212,6 +215,34 @@ class DiskTier:
                     f"key IN ({','.join('?' * len(part))})", (*self._ours(), *part)).fetchall()
                 found.update(bytes(k) for (k,) in rows)
         return found
+
+    def offered(self, keys: list[bytes]) -> set[bytes]:
+        """The keys of `keys` whose records are offered, from an in-memory copy of the
+        index's keys: never waits for the lock (a writer holds it through a rename and an
+        fsync), so the engine thread can ask between two steps. A key evicted or written
+        by a put running meanwhile may be answered either way."""
+        offered = self._offered
+        return {k for k in keys if k in offered}
+
+    def touch_many(self, keys: list[bytes]) -> int:
+        """Mark the offered records of `keys` used, in order (the last one becomes the
+        most recently used), in one transaction. Keys not offered are skipped. Returns
+        how many were touched.
+
+        Raises:
+            RuntimeError: the tier is closed.
+        """
+        with self._lock:
+            self._check_open()
+            mine = [k for k in keys if k in self._offered]
+            if not mine:
+                return 0
+            with self._db:
+                self._db.execute("BEGIN")
+                self._db.executemany(
+                    "UPDATE records SET last_used=? WHERE namespace=? AND key=?",
+                    [(next(self._clock), self.namespace, k) for k in mine])
+            return len(mine)
 
     def children(self, parent: bytes, kind: str) -> list[tuple[bytes, tuple[int, ...], int]]:
         """(key, tokens, position) of offered records of `kind` under `parent`, ordered by
@@ -394,6 +425,8 @@ class DiskTier:
                                  [(r.namespace, r.key) for r in rows])
         for r in rows:
             self._nbytes -= r.nbytes
+            if r.namespace == self.namespace:
+                self._offered.discard(r.key)
             _unlink(self.folder / r.file)
 
     def _forget(self, row: _Row) -> None:
@@ -401,6 +434,8 @@ class DiskTier:
         self._db.execute("DELETE FROM records WHERE namespace=? AND key=?",
                          (row.namespace, row.key))
         self._nbytes -= row.nbytes
+        if row.namespace == self.namespace:
+            self._offered.discard(row.key)
 
     def _make_room(self, nbytes: int) -> None:
         """Evict until `nbytes` more fit: other namespaces' and versions' rows first, then
@@ -458,6 +493,7 @@ class DiskTier:
              _pack_tokens(record.tokens), record.position, nbytes, self.format_version,
              name, next(self._clock)))
         self._nbytes += nbytes
+        self._offered.add(record.key)
         self.stats.written += 1
 
     def _reject(self, row: _Row, reason: str, ident: tuple[int, int] | None) -> None:
@@ -601,6 +637,9 @@ class DiskTier:
                 self.stats.orphans_deleted += 1
             self._clock = itertools.count(last + 1)
             self._make_room(0)
+            self._offered = {bytes(k) for (k,) in self._db.execute(
+                "SELECT key FROM records WHERE namespace=? AND format_version=?",
+                self._ours())}
         os.fsync(self._dir_fd)
 
 

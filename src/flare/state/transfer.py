@@ -44,6 +44,10 @@ class Ticket:
             produce (a key missing here was absent, corrupt or rejected).
         written: writes: how many records the disk tier accepted.
         error: why the job failed as a whole, or None.
+        touch: writes: keys of stored records to mark used after the writes, in this
+            order (the last becomes the most recently used; write-through passes a
+            chain deepest first, so the disk tier's LRU drops chain ends before the
+            pages they hang from).
     """
 
     kind: str
@@ -54,6 +58,7 @@ class Ticket:
     written: int = 0
     error: str | None = None
     payload: tuple["StateRecord", ...] = ()
+    touch: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -116,15 +121,18 @@ class TransferQueue:
         self._jobs.put(ticket)
         return ticket
 
-    def write(self, records: list["StateRecord"], waiter: str | None = None) -> Ticket | None:
-        """A write ticket storing `records` on disk, in order (parents before children).
+    def write(self, records: list["StateRecord"], waiter: str | None = None,
+              touch: tuple[bytes, ...] = ()) -> Ticket | None:
+        """A write ticket storing `records` on disk, in order (parents before children),
+        then marking the stored records of `touch` used, in that order (`Ticket.touch`).
         Returns None when the queue is full."""
         with self._lock:
             if len(self._pending) >= self.max_pending:
                 self.stats.enqueue_rejected += 1
                 return None
             ticket = Ticket("write", tuple(r.key for r in records),
-                            {waiter} if waiter else set(), payload=tuple(records))
+                            {waiter} if waiter else set(), payload=tuple(records),
+                            touch=tuple(touch))
             self._pending.append(ticket)
             self.stats.writes_submitted += 1
         self._jobs.put(ticket)
@@ -147,6 +155,12 @@ class TransferQueue:
     def num_pending(self) -> int:
         with self._lock:
             return len(self._pending)
+
+    @property
+    def num_pending_writes(self) -> int:
+        """Write tickets queued or running."""
+        with self._lock:
+            return sum(t.kind == "write" for t in self._pending)
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until every submitted ticket completed (tests, shutdown). Returns False on
@@ -209,3 +223,5 @@ class TransferQueue:
                 with self._lock:
                     self.stats.records_written += 1
                     self.stats.bytes_written += rec.nbytes
+        if ticket.touch:
+            self.disk.touch_many(list(ticket.touch))

@@ -22,7 +22,8 @@ def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32,
             sharded with model.safetensors.index.json) and tokenizer files. Folders of
             every recipe load (Llama/Qwen2/Qwen3, Qwen3.5 `Qwen3_5ForCausalLM` or its
             multimodal folder's text model, LFM2 `Lfm2ForCausalLM`); GGUF files of the
-            dense family only.
+            dense family (llama, qwen2, qwen3) and of the hybrids in llama.cpp's
+            naming (qwen35, lfm2: `flare.loading.gguf_hybrid`).
         dtype: dtype of every returned tensor (quantized GGUF tensors are dequantized
             to float32 first, then cast).
         progress: show a tqdm bar per tensor on stderr.

@@ -282,7 +282,6 @@ def test_a_chunked_body_over_the_limit_is_413_through_a_parsing_route():
                     headers={"content-type": "application/json"})
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
-    assert r.headers["connection"] == "close"
     assert client.post("/v1/chat/completions", json={"prompt": "x"}).json() == {"ok": True}
 
 

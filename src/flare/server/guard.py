@@ -11,7 +11,9 @@ costs the server nothing. Every refusal is an OpenAI-style error body:
   its API calls); `/metrics` and `/debug/state` are open unless `protect_metrics`.
 - 413 `request_too_large`: the body exceeds `max_body_bytes` (by Content-Length, or while
   a chunked body is read: the 413 is sent the moment the limit is passed, whatever the
-  route's body parser makes of the cut-off body, and the connection is closed).
+  route's body parser makes of the cut-off body; uvicorn discards the rest of the body as
+  it arrives, so the client reads the 413 instead of a reset connection, and the header
+  timeout bounds how long that may go on).
 - 408 `body_timeout`: the body did not arrive in full within `body_timeout_s` seconds of
   the request's headers (a client that announces more bytes than it sends, or trickles
   them); the connection is closed. The headers themselves have their own limit, enforced
@@ -318,12 +320,11 @@ class RequestGuard:
         deadline = (time.monotonic() + self.body_timeout_s
                     if self.body_timeout_s is not None else None)
 
-        async def refuse(status: int, message: str, code: str) -> None:
+        async def refuse(status: int, message: str, code: str, close: bool) -> None:
             nonlocal started, refused
             if not started:
                 started = refused = True
-                # the rest of the body is never read: the connection cannot be reused
-                await _refuse(send, status, message, code, path=path, close=True)
+                await _refuse(send, status, message, code, path=path, close=close)
 
         async def limited_receive() -> dict[str, Any]:
             nonlocal seen, body_done
@@ -335,14 +336,15 @@ class RequestGuard:
                 except asyncio.TimeoutError:
                     await refuse(408, f"the request body did not arrive within "
                                  f"{self.body_timeout_s:g} s (flare serve --body-timeout)",
-                                 "body_timeout")
+                                 "body_timeout", close=True)  # a stalled client: hang up
                     raise _BodyRefused from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 body_done = body_done or not message.get("more_body", False)
                 if seen > self.max_body_bytes:
                     await refuse(413, f"request body exceeds the limit of "
-                                 f"{self.max_body_bytes:,} bytes", "request_too_large")
+                                 f"{self.max_body_bytes:,} bytes", "request_too_large",
+                                 close=False)  # uvicorn discards the rest as it arrives
                     raise _BodyRefused
             return message
 

@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 CACHE ?= .cache/flare
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench clean cluster cluster-down
 
 # torch first, pinned: a CPU wheel of 2.13.0 lies on this kind of machine, and anything
 # that pulls torch in unpinned would download a multi-GB CUDA build instead.
@@ -41,3 +41,17 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(CACHE)
+
+# A local cluster (docs/scale-out.md): redis-server (apt-get installs it where missing), two
+# `flare serve` replicas of the embedded package sharing states through it, SGLang's
+# gateway `smg` in front; prints the gateway URL. Pids and logs in $(CLUSTER_DIR).
+CLUSTER_DIR ?= .cluster
+REPLICAS ?= 2
+POLICY ?= cache_aware
+
+cluster: setup
+	$(PY) scripts/cluster.py up --run-dir $(CLUSTER_DIR) --cache-dir $(CACHE) \
+		--replicas $(REPLICAS) --policy $(POLICY)
+
+cluster-down:
+	$(PY) scripts/cluster.py down --run-dir $(CLUSTER_DIR)

@@ -180,6 +180,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, wait at most this long for in-flight requests "
                             "before cancelling them (default 10)")
+    rt = serve.add_argument_group("remote tier (replicas share states through Redis; "
+                                  "docs/scale-out.md)")
+    rt.add_argument("--remote-tier", metavar="URL", default=None,
+                    help="redis://[:PASSWORD@]HOST:PORT/DB or rediss://... (TLS): keep "
+                         "conversation states in Redis, shared by every replica of this "
+                         "package, in the disk tier's place")
+    rt.add_argument("--remote-tier-password",
+                    default=os.environ.get("FLARE_REMOTE_TIER_PASSWORD"),
+                    help="Redis password (default: $FLARE_REMOTE_TIER_PASSWORD, else the "
+                         "URL's)")
+    rt.add_argument("--remote-tier-mib", type=non_negative_int, default=1024,
+                    help="most MiB of this package's states in Redis, least recently used "
+                         "out first (default 1024; give every replica the same)")
+    rt.add_argument("--remote-tier-timeout", type=positive_seconds, default=0.25,
+                    metavar="SECONDS",
+                    help="Redis connect/command timeout; past it the tier is marked down "
+                         "and serving goes on without it (default 0.25)")
+    rt.add_argument("--remote-tier-ca", type=Path, default=None,
+                    help="CA certificate file for rediss:// (default: the system's)")
 
     # qualify / evidence: their options live in flare.qualify.cli and flare.evidence.cli
     from flare.evidence.cli import add_evidence_parser
@@ -276,8 +295,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
           save_state_on_shutdown=args.save_state_on_shutdown,
           max_pinned_pages=args.max_pinned_pages,
           shutdown_timeout_s=args.shutdown_timeout, device=args.device,
-          cuda_graphs=not args.no_cuda_graphs)
+          cuda_graphs=not args.no_cuda_graphs, remote_tier=_remote_tier(args))
     return 0
+
+
+def _remote_tier(args: argparse.Namespace):  # -> RemoteTierConfig | None
+    """The remote tier options as a `RemoteTierConfig` (None without --remote-tier).
+
+    Raises:
+        ValueError: a bad URL (named without its password).
+    """
+    if not args.remote_tier:
+        return None
+    from flare.state.remote_tier import RemoteTierConfig
+
+    return RemoteTierConfig(args.remote_tier, password=args.remote_tier_password,
+                            budget_bytes=args.remote_tier_mib << 20,
+                            timeout_s=args.remote_tier_timeout,
+                            tls_ca=str(args.remote_tier_ca) if args.remote_tier_ca else None)
 
 
 def cmd_qualify(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from flare.runtime.stop_strings import StopStringMatcher
 from flare.state.admission import CostPolicy, DeviceReuse, ReuseCounters
 from flare.state.checkpoints import CheckpointIndex
 from flare.state.disk_tier import DiskTier
+from flare.state.remote_tier import RemoteSessions, RemoteTier, RemoteTierConfig
 from flare.state.pools import KVCache, PagePool
 from flare.state.prefix_index import PrefixIndex
 from flare.state.sessions import MAX_SESSIONS, SessionPins, SessionRegistry
@@ -118,6 +119,11 @@ class Engine:
             captured CUDA graph (captured here; if capture fails the engine logs it and
             decodes eagerly); on CPU the static step runs eagerly (tests). None: every step
             runs the eager path.
+        remote_tier: the Redis remote tier (`flare.state.remote_tier`) shared by the
+            replicas of this package; it takes the disk tier's place below the host tier
+            (`state_dir` then holds no records), every finished request's state is
+            written through to it, and saved session names are published there. None: no
+            remote tier.
 
     Raises:
         ValueError: the plan cannot hold one sequence of `max_seq_len` tokens, or has
@@ -134,7 +140,8 @@ class Engine:
                  state_dir: str | Path | None = None, host_tier_bytes: int | None = None,
                  disk_tier_bytes: int | None = None, max_pending_transfers: int = 16,
                  max_pinned_pages: int | None = None,
-                 decode_graphs: GraphPlan | None = None) -> None:
+                 decode_graphs: GraphPlan | None = None,
+                 remote_tier: RemoteTierConfig | None = None) -> None:
         if plan.num_pages < plan.pages_per_seq:
             raise ValueError(
                 f"plan holds {plan.num_pages} pages but one sequence of max_seq_len "
@@ -198,11 +205,15 @@ class Engine:
                 reuse, namespace, state_dir,
                 plan.host_tier_bytes if host_tier_bytes is None else host_tier_bytes,
                 plan.disk_tier_bytes if disk_tier_bytes is None else disk_tier_bytes,
-                max_pending_transfers)
+                max_pending_transfers, remote_tier)
         # saved session names live beside the disk tier, under its folder lock; without a
         # disk tier nothing is saved, so nothing is written there
-        has_disk = self.tiers is not None and self.tiers.disk is not None
-        self.sessions = SessionRegistry(Path(state_dir) if has_disk else None, namespace)
+        below = self.tiers.disk if self.tiers is not None else None
+        self.remote_tier = below if isinstance(below, RemoteTier) else None
+        has_disk = below is not None and self.remote_tier is None
+        self.sessions = SessionRegistry(
+            Path(state_dir) if has_disk else None, namespace,
+            RemoteSessions(self.remote_tier) if self.remote_tier is not None else None)
         self.scheduler = Scheduler(self.pool, plan.page_size, plan.max_num_seqs,
                                    plan.max_batch_tokens, reuse, self.states,
                                    self.checkpoint_interval,
@@ -226,11 +237,20 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(0)
 
     def _make_tiers(self, reuse: DeviceReuse, namespace: str, state_dir: str | Path | None,
-                    host_bytes: int, disk_bytes: int, max_pending: int) -> TierStore | None:
-        """The host tier and (with `state_dir`) the disk tier below the device pools,
-        wired to the indexes' evictions; None when both budgets are 0."""
+                    host_bytes: int, disk_bytes: int, max_pending: int,
+                    remote: RemoteTierConfig | None = None) -> TierStore | None:
+        """The host tier and (with `state_dir`) the disk tier below the device pools, or
+        (with `remote`) the Redis remote tier in the disk tier's place, wired to the
+        indexes' evictions; None when both budgets are 0 and there is no remote tier."""
         disk = transfers = None
-        if state_dir is not None and disk_bytes > 0:
+        if remote is not None:
+            policy = reuse.policy  # restores from Redis are admitted at its measured speed
+            disk = RemoteTier(remote, namespace, json.dumps(self.layout.describe(),
+                                                            sort_keys=True),
+                              on_bandwidth=lambda bps: policy.bytes_per_s.update(remote=bps))
+            policy.bytes_per_s["remote"] = disk.bytes_per_s
+            transfers = TransferQueue(disk, max_pending, on_complete=self._notify)
+        elif state_dir is not None and disk_bytes > 0:
             layout = json.dumps(self.layout.describe(), sort_keys=True)
             try:
                 disk = DiskTier(Path(state_dir), namespace, layout, disk_bytes)
@@ -361,6 +381,23 @@ class Engine:
         if not self.pins.pin(name, seq.pages[:-(-n // ps)], ckpt):
             log.info("session %s not pinned: over the budget of %d pages", name,
                      self.pins.budget_pages)
+
+    def _share(self, seq: Sequence) -> None:
+        """With the remote tier: write the state a finished request computed through to
+        Redis (the pages it does not hold yet, the tail, checkpoints), so the next turn
+        restores there on whichever replica it lands. A refusal (queue full, too big,
+        Redis down) costs that replica a recompute, never an error."""
+        from flare.state.tiers import SaveRefused
+
+        try:
+            self.tiers.save(seq.token_ids[:seq.num_computed])
+            self.remote_tier.stats.shares += 1
+        except SaveRefused:
+            self.remote_tier.stats.share_refused += 1
+        except Exception:
+            log.exception("writing %s's state through to the remote tier failed",
+                          seq.request_id)
+            self.remote_tier.stats.share_refused += 1
 
     def save_session(self, name: str) -> tuple[Any, int]:
         """Engine thread only (`call`): write session `name`'s state to the disk tier.
@@ -908,6 +945,8 @@ class Engine:
             self._checkpoint(seq)  # end of generation: the state at num_computed
             if seq.request.session is not None and reason != "abort":
                 self._keep_session(seq)
+            if self.remote_tier is not None and self.tiers is not None and reason != "abort":
+                self._share(seq)
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         seq.finish_reason = reason  # type: ignore[assignment]

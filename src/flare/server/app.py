@@ -414,6 +414,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        # serving goes on without an unreachable Redis tier (recompute): 200, "degraded"
+        remote = getattr(getattr(engine, "engine", None), "remote_tier", None)
+        if remote is not None and not remote.up:
+            return {"status": "degraded", "remote_tier": "down"}
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -432,7 +436,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
           restore_cost_factor: float = 0.5, save_state_on_shutdown: bool = False,
           max_pinned_pages: int | None = None, threads: int | None = None,
-          device: str = "cpu", cuda_graphs: bool = True, **settings: Any) -> None:
+          device: str = "cpu", cuda_graphs: bool = True, remote_tier: Any = None,
+          **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
     `engine_from_package` (load_package -> Engine.from_package) -> AsyncEngine (inside
@@ -457,6 +462,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         device: "cpu" or "cuda[:N]"; the package must have been prepared for its class.
         cuda_graphs: on CUDA, capture and replay the package's graph plan (False: decode
             eagerly, `--no-cuda-graphs`).
+        remote_tier: a `flare.state.remote_tier.RemoteTierConfig`: the Redis tier shared
+            by replicas, in the disk tier's place (None: none; docs/scale-out.md).
         **settings: `ServerSettings` fields.
 
     Raises:
@@ -474,7 +481,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         package_path, device=device, threads=threads,
         restore_cost_factor=restore_cost_factor, cuda_graphs=cuda_graphs,
         save_state_on_shutdown=save_state_on_shutdown, prefix_cache=prefix_cache,
-        state_dir=state_dir, max_pinned_pages=max_pinned_pages)
+        state_dir=state_dir, max_pinned_pages=max_pinned_pages, remote_tier=remote_tier)
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,

@@ -117,6 +117,20 @@ end
 return 1
 """
 
+# ARGV: prefix, key hex... Touch (LRU) the indexed ones of many records in one call.
+_TOUCH_MANY = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local n = 0
+for i = 2, #ARGV do
+  if redis.call('HEXISTS', ARGV[1] .. ':m', ARGV[i]) == 1 then
+    redis.call('ZADD', ARGV[1] .. ':lru', now, ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
+
 
 @dataclass(frozen=True)
 class RemoteTierConfig:
@@ -178,6 +192,8 @@ class RemoteTierStats:
     errors: int = 0  # Redis calls that failed (connection, timeout, server error)
     skipped: int = 0  # calls answered "absent" without Redis because it was down
     outages: int = 0  # up -> down transitions
+    shares: int = 0  # finished requests whose state was written through (engine)
+    share_refused: int = 0  # write-throughs refused (transfer queue full, too big)
     reconnects: int = 0  # down -> up transitions
     rejected_checksum: int = 0
     rejected_truncated: int = 0
@@ -229,6 +245,7 @@ class RemoteTier:
         self._put = self._client.register_script(_PUT)
         self._remove = self._client.register_script(_REMOVE)
         self._touch = self._client.register_script(_TOUCH)
+        self._touch_many = self._client.register_script(_TOUCH_MANY)
         self._check()
         if self._up:
             self._probe()
@@ -465,6 +482,18 @@ class RemoteTier:
             else:
                 self.stats.written += 1
         return status != -1
+
+    def touch_many(self, keys: "set[bytes] | list[bytes]") -> None:
+        """Mark indexed records of `keys` used now (LRU), one call per 500 keys; a save
+        of a conversation whose pages are stored already touches them instead of
+        rewriting them (nothing while down)."""
+        keys = list(keys)
+        try:
+            for i in range(0, len(keys), 500):
+                part = [k.hex() for k in keys[i:i + 500]]
+                self._call(lambda: self._touch_many(args=[self.prefix, *part]))
+        except _Down:
+            pass
 
     def remove(self, key: bytes) -> None:
         """Delete the record of `key` and its index entries (nothing if absent or down)."""

@@ -15,7 +15,9 @@ last sampled token). The name then lets a client:
 
 Names are validated (`SESSION_NAME`: letters, digits, `.`, `_`, `-`, at most 128) and are
 never used as paths: saved names are stored in one JSON file per package in the state
-folder, written atomically (temporary file, fsync, rename).
+folder, written atomically (temporary file, fsync, rename). With the Redis remote tier
+(`flare.state.remote_tier.RemoteSessions`) saved names are published there instead, so
+every replica of the package sees them; the latest save of a name, on any replica, wins.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flare.state.checkpoints import Checkpoint, CheckpointIndex
     from flare.state.pools import PagePool
+    from flare.state.remote_tier import RemoteSessions
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FORMAT_VERSION = 1
@@ -81,13 +85,17 @@ class SessionRegistry:
     requests) and the HTTP handlers (thread-safe). Saved sessions persist in `folder`.
 
     Args:
-        folder: the state folder (None: nothing persists).
+        folder: the state folder (None: nothing persists in a file).
         namespace: the package id; the file of another package is never read.
+        remote: saved names shared through Redis (`RemoteSessions`), or None.
     """
 
-    def __init__(self, folder: Path | None, namespace: str) -> None:
+    def __init__(self, folder: Path | None, namespace: str,
+                 remote: "RemoteSessions | None" = None) -> None:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._updated: dict[str, float] = {}  # name -> wall time of its latest change here
+        self.remote = remote
         self.namespace = namespace
         self.path = None
         if folder is not None:
@@ -107,11 +115,18 @@ class SessionRegistry:
             saved = old.saved_tokens if old and old.tokens[:old.saved_tokens] == tokens[
                 :old.saved_tokens] else 0
             self._sessions[name] = Session(list(tokens), saved)
+            self._updated[name] = time.time()
 
     def get(self, name: str) -> Session:
         """Raises SessionError (missing) when there is no such session."""
+        check_name(name)
+        shared = self.remote.get(name) if self.remote is not None else None
         with self._lock:
-            s = self._sessions.get(check_name(name))
+            s = self._sessions.get(name)
+            if shared is not None and (s is None or shared[2] > self._updated.get(name, 0)):
+                # saved by another replica (or here) after this replica last changed it
+                s = self._sessions[name] = Session(list(shared[0]), shared[1])
+                self._updated[name] = shared[2]
             if s is None:
                 raise SessionError(f"session {name!r} does not exist", missing=True)
             return Session(list(s.tokens), s.saved_tokens)
@@ -128,6 +143,9 @@ class SessionRegistry:
                 raise SessionError(f"{MAX_SESSIONS} sessions exist already: delete one first",
                                    code="too_many_sessions")
             self._sessions[new] = Session(src.tokens, src.saved_tokens)
+            self._updated[new] = time.time()
+        if self.remote is not None and src.saved_tokens:
+            self.remote.put(new, src.tokens, src.saved_tokens)
         self._persist()
         return src
 
@@ -137,6 +155,9 @@ class SessionRegistry:
         with self._lock:
             if self._sessions.pop(name, None) is None:  # a concurrent delete came first
                 raise SessionError(f"session {name!r} does not exist", missing=True)
+            self._updated.pop(name, None)
+        if self.remote is not None:
+            self.remote.delete(name)
         self._persist()
 
     def mark_saved(self, name: str, tokens: list[int], saved_tokens: int) -> bool:
@@ -148,6 +169,10 @@ class SessionRegistry:
             if cur is None or cur.tokens[:saved_tokens] != list(tokens[:saved_tokens]):
                 return False
             cur.saved_tokens = saved_tokens
+            self._updated[name] = time.time()
+            shared = (list(cur.tokens), saved_tokens)
+        if self.remote is not None:
+            self.remote.put(name, *shared)
         self._persist()
         return True
 

@@ -299,10 +299,11 @@ class TierStore:
         index, ps = self.index, self.page_size
         parent, pos, records = index.root, 0, []
         chain = [(parent, 0)]
+        stored = self._shared_below(tokens)
         while pos + ps <= len(tokens):
             chunk = tuple(tokens[pos:pos + ps])
             key = page_key(parent, chunk)
-            found, rec = self._page_record(key)
+            found, rec = (True, None) if key in stored else self._page_record(key)
             if not found:
                 break
             if rec is not None:  # None: the disk tier holds it already
@@ -331,6 +332,21 @@ class TierStore:
         if ticket is None:
             raise SaveRefused("the transfer queue is full; retry shortly")
         return ticket, pos
+
+    def _shared_below(self, tokens: list[int]) -> set[bytes]:
+        """Full-page keys of `tokens` a shared tier below (the Redis remote tier) holds
+        already, touched there (LRU) in one call: a save copies none of them again. Empty
+        for the disk tier, which touches on its own writes."""
+        disk, ps = self.disk, self.page_size
+        if getattr(disk, "tier_name", "disk") != "remote":
+            return set()
+        keys, parent = [], self.index.root
+        for pos in range(0, len(tokens) - ps + 1, ps):
+            parent = page_key(parent, tuple(tokens[pos:pos + ps]))
+            keys.append(parent)
+        stored = disk.contains_many(keys)
+        disk.touch_many(stored)
+        return stored
 
     def _page_record(self, key: bytes) -> tuple[bool, "StateRecord | None"]:
         """(found, record) of a full page: from the device or the host tier; (True, None)
@@ -511,7 +527,9 @@ class TierStore:
             * self.kv.layout.kv_bytes_per_token
         if self.checkpoints is not None:
             nbytes += self.checkpoints.states.bytes_per_slot
-        if not self.policy.admit(gain, nbytes, tier):
+        # the tier below the host may be the shared Redis tier: its own measured speed
+        speed = getattr(self.disk, "tier_name", "disk") if tier == "disk" else tier
+        if not self.policy.admit(gain, nbytes, speed):
             return self._done(held, Outcome.COST_REJECTED, gain)
         records = self._gather(parts, ticket)
         missing = tuple(p.key for p in parts if p.key not in records)
@@ -633,8 +651,9 @@ class TierStore:
         }
         if self.disk is not None:
             try:  # a damaged index must not fail every caller of stats (/metrics, the guard)
-                out["disk_tier_records"] = len(self.disk)
-                out["disk_tier_bytes"] = self.disk.nbytes
+                name = getattr(self.disk, "tier_name", "disk")  # "remote": Redis
+                out[f"{name}_tier_records"] = len(self.disk)
+                out[f"{name}_tier_bytes"] = self.disk.nbytes
             except Exception:
                 log.exception("disk tier index unreadable")
                 self.stats.disk_index_errors += 1

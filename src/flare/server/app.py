@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an `AsyncEngine`.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus text), GET /debug/state (engine stats as JSON, for tests).
+GET /metrics (Prometheus text: engine counters and gauges, request histograms
+`flare.server.metrics`), GET /debug/state (engine stats as JSON), GET / (the web chat) and
+GET /docs (Swagger UI), both from vendored files (`flare.server.web`).
 
 Policies:
 - Context length (case api-context-overflow): a prompt of `max_seq_len` tokens or more is
@@ -60,6 +62,7 @@ from flare.server.grammar import GrammarConstraint
 from flare.server.guard import (RequestGuard, ServerCounters, check_message_count,
                                 unencodable_text)
 from flare.server.logprobs import chat_logprobs, completion_logprobs
+from flare.server.metrics import RequestMetrics, build_labels
 from flare.server.protocol import (
     ApiError,
     AssistantMessage,
@@ -86,6 +89,7 @@ from flare.server.streaming import (
 )
 from flare.server.tool_calls import ParsedMessage, ToolCallParser
 from flare.server.tool_formats import TOOL_PARSERS
+from flare.server.web import mount_web
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +191,8 @@ class _EngineCollector(Collector):
 
 
 def create_app(
-    engine: Any, settings: ServerSettings | None = None, *, owns_engine: bool = False
+    engine: Any, settings: ServerSettings | None = None, *, owns_engine: bool = False,
+    manifest: Any = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (an `AsyncEngine`).
 
@@ -195,6 +200,7 @@ def create_app(
         engine: the `flare.runtime.async_engine.AsyncEngine` to serve.
         settings: server options; defaults to `ServerSettings()`.
         owns_engine: shut the engine down when the app shuts down.
+        manifest: the served package's manifest, for `flare_build_info` (None: unknown).
     """
     settings = settings or ServerSettings()
     started = int(time.time())
@@ -203,6 +209,8 @@ def create_app(
     counters = ServerCounters()
     registry.register(counters)
     core = GenerationCore(engine, settings, counters)  # shared by every API surface
+    core.metrics = RequestMetrics(registry, engine.plan.max_seq_len,
+                                  build_labels(manifest, engine.package_id))
     tool_format, served_name = core.tool_format, core.served_name
 
     @asynccontextmanager
@@ -211,7 +219,8 @@ def create_app(
         if owns_engine:
             await engine.shutdown()
 
-    app = FastAPI(title="Flare", lifespan=lifespan)
+    app = FastAPI(title="Flare", lifespan=lifespan, docs_url=None, redoc_url=None)
+    mount_web(app, core)  # GET / (web chat), /web/ assets, /docs from vendored files
     app.add_middleware(RequestGuard, api_key=settings.api_key,
                        max_body_bytes=settings.max_body_bytes,
                        protect_metrics=settings.protect_metrics,
@@ -486,7 +495,8 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,
                                    package_id=package.manifest.package_id)
-        app = create_app(async_engine, server_settings, owns_engine=True)
+        app = create_app(async_engine, server_settings, owns_engine=True,
+                         manifest=package.manifest)
         config = uvicorn_config(app, host=host, port=port, log_level=log_level,
                                 header_timeout_s=server_settings.header_timeout_s,
                                 timeout_graceful_shutdown=shutdown_timeout_s)

@@ -27,7 +27,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, MODEL_ARCH, get_tensor_name_map
 from gguf.quants import dequantize, quantize
 
-from engine_helpers import greedy, position_logits, run, small_engine, words
+from engine_helpers import greedy, run, small_engine, words
+from exactness import assert_same_logits, run_recorded
 from hybrid_models import LFM2_RULES, QWEN3_5_RULES, _random_model, lfm2_config, qwen3_5_config
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.gguf import open_gguf
@@ -201,14 +202,13 @@ def tok_fields(embedded_gguf):
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory, tok_fields, embedded_checkpoint):
+def files(tmp_path_factory, tok_fields, smollm2_tokenizer):
     """(arch, mix) -> (gguf path, folder), each pair written once for the module."""
     root, made = tmp_path_factory.mktemp("hybrid-gguf"), {}
 
     def get(arch: str, mix: str):
         if (arch, mix) not in made:
-            made[arch, mix] = write_pair(arch, mix, root, tok_fields,
-                                         embedded_checkpoint.tokenizer)
+            made[arch, mix] = write_pair(arch, mix, root, tok_fields, smollm2_tokenizer)
         return made[arch, mix]
 
     return get
@@ -268,24 +268,28 @@ def test_tensors_equal_the_folders_bit_for_bit(pair):
             assert torch.equal(g.tensors[name], t), name
 
 
-def test_tokenizer_and_chat_template_come_from_the_file(pair, embedded_checkpoint):
+def test_tokenizer_and_chat_template_come_from_the_file(pair, smollm2_tokenizer):
     _, _, _, g, _ = pair
     text = "def reverse_string(s):\n    return s[::-1]  # café 推理"
-    assert g.tokenizer.encode(text) == embedded_checkpoint.tokenizer.encode(text)
+    assert g.tokenizer.encode(text) == smollm2_tokenizer.encode(text)
     assert g.tokenizer.chat_template
 
 
 def test_logits_and_greedy_tokens_equal_the_folders(pair):
+    """Two prompts at once (a 40-token and a 7-token one), 12 greedy tokens each: every
+    sampled step's logits are bit-identical (torch.equal), so are the tokens."""
     _, _, _, g, f = pair
-    eg, ef = small_engine(g), small_engine(f)
-    ids = words(40, seed=5)
-    assert torch.equal(position_logits(eg, ids, last_only=False),
-                       position_logits(ef, ids, last_only=False))
-    assert run(eg, ids, greedy(12))[0] == run(ef, ids, greedy(12))[0]
+    prompts = {"a": words(40, seed=5), "b": words(7, seed=6)}
+    got = run_recorded(small_engine(g), prompts, 12)
+    want = run_recorded(small_engine(f), prompts, 12)
+    for rid in prompts:
+        assert_same_logits(got[rid][1], want[rid][1], rid)
+        assert got[rid][0] == want[rid][0] and len(got[rid][0]) == 12
 
 
 # ---- prepared packages ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["lfm2", "qwen35"])
 def test_prepared_package_of_a_k_quant_gguf_serves_the_folders_tokens(arch, tmp_path, files):
     from flare.package.reader import load_package
@@ -298,9 +302,8 @@ def test_prepared_package_of_a_k_quant_gguf_serves_the_folders_tokens(arch, tmp_
         manifest = prepare_package(src, out, max_seq_len=256, max_num_seqs=2, page_size=16,
                                    max_batch_tokens=64, progress=False)
         assert manifest.tuning["weights"] == "full"  # the hybrid recipes' format
-        pkg = load_package(out)
-        engine = Engine(pkg.config, pkg.plan, pkg.tensors, pkg.tokenizer)
-        answers.append(run(engine, words(30, seed=9), greedy(10))[0])
+        answers.append(run(Engine.from_package(load_package(out)), words(30, seed=9),
+                           greedy(10))[0])
     assert answers[0] == answers[1]
     assert manifest.recipe == {"lfm2": "lfm2", "qwen35": "qwen3_5"}[arch]
 

@@ -163,17 +163,20 @@ def up(args: argparse.Namespace) -> int:
             wait_http(urls[-1] + "/health", proc, log)
             print(f"replica {i}: {urls[-1]}", flush=True)
         state["replica_urls"] = urls
-        gport = free_port()
-        gw = [smg, "launch", "--host", "127.0.0.1", "--port", str(gport), "--backend",
-              "openai", "--policy", args.policy, "--worker-urls", *urls,
+        gport, mport = free_port(), free_port()
+        # smg binds its Prometheus exporter on 0.0.0.0:29000 unless told: loopback, free port
+        gw = [smg, "launch", "--host", "127.0.0.1", "--port", str(gport),
+              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
+              "--backend", "openai", "--policy", args.policy, "--worker-urls", *urls,
               "--health-check-endpoint", "/health", "--health-check-interval-secs", "5"]
-        if args.api_key:
+        if args.api_key:  # smg sends it to the workers, and discovers their models with it
             gw += ["--api-key", args.api_key]
         proc = spawn(gw, run / "gateway.log")
         record("gateway", proc)
         state["gateway_url"] = f"http://127.0.0.1:{gport}"
         (run / STATE).write_text(json.dumps(state, indent=2))
-        wait_http(state["gateway_url"] + "/v1/models", proc, run / "gateway.log", headers)
+        # /health, not /v1/models: smg 1.13.0 answers 503 there (docs/scale-out.md)
+        wait_http(state["gateway_url"] + "/health", proc, run / "gateway.log", headers)
     except BaseException:
         down(args)
         raise

@@ -269,8 +269,11 @@ def test_strict_refuses_unlisted_properties_and_enforces_required(compiler, toke
     # properties that come from a combination are not shut out
     ({"type": "object", "allOf": [{"properties": {"a": {}}}]},
      {"type": "object", "allOf": [{"properties": {"a": {}}, "additionalProperties": False}]}),
+    # a required property it does not list: closing it would leave no valid value
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]},
+     {"type": "object", "properties": {"a": {}}, "required": ["b"]}),
 ], ids=["none", "empty", "bare_object", "untyped", "nested", "free_form", "deep",
-        "additional_schema", "pattern", "all_of"])
+        "additional_schema", "pattern", "all_of", "required_unlisted"])
 def test_strict_schema_table(schema, strict):
     before = json.dumps(schema)
     assert parameters_schema(schema) == strict

@@ -79,8 +79,9 @@ def strict_schema(schema: Any, *, top: bool = True) -> Any:
     every object schema that lists its `properties` (and the top-level one, always) gets
     `"additionalProperties": false` unless it says itself what else it allows
     (`additionalProperties`, `patternProperties`, `unevaluatedProperties`) or takes
-    properties from a combination (`allOf`, `anyOf`, `oneOf`, `$ref`, ...); `required`
-    is kept as given and enforced by the grammar. Subschemas (properties, items, anyOf,
+    properties from a combination (`allOf`, `anyOf`, `oneOf`, `$ref`, ...) or requires a
+    property it does not list (closing it would leave no valid value); `required` is kept
+    as given and enforced by the grammar. Subschemas (properties, items, anyOf,
     $defs, ...) are made strict the same way. A nested `{"type": "object"}` without
     `properties` stays a free-form object.
 
@@ -103,8 +104,11 @@ def strict_schema(schema: Any, *, top: bool = True) -> Any:
     kind = out.get("type")
     is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or (
         kind is None and "properties" in out)
+    listed = out.get("properties") if isinstance(out.get("properties"), dict) else {}
+    required = out.get("required") if isinstance(out.get("required"), list) else []
     if (is_object and (top or "properties" in out)
-            and not any(k in out for k in _OPEN_KEYWORDS + _COMBINING)):
+            and not any(k in out for k in _OPEN_KEYWORDS + _COMBINING)
+            and all(name in listed for name in required)):
         out["additionalProperties"] = False
     return out
 

@@ -1,0 +1,169 @@
+"""A real cluster on 127.0.0.1: redis-server, two `flare serve` replicas of the embedded
+package with --remote-tier, SGLang's gateway `smg` (cache_aware) in front, and a
+--no-prefix-cache server as the reference. Greedy, short answers; one cluster for the
+module. Skipped when redis-server or smg is missing, except in CI (CI=true): a failure."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+from redis_process import RedisProcess, free_port, require
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_package, tmp_path_factory):
+    smg = require("smg", "pip install smg (the test extra)")
+    root = tmp_path_factory.mktemp("cluster")
+    redis = RedisProcess(root / "redis")
+    extra = ("--remote-tier", redis.url, "--remote-tier-timeout", "0.5")
+    procs: list = []
+    try:
+        a = ServerProcess(smollm2_package, root / "a.log", extra)
+        procs.append(a)
+        b = ServerProcess(smollm2_package, root / "b.log", extra)
+        procs.append(b)
+        cold = ServerProcess(smollm2_package, root / "cold.log", ("--no-prefix-cache",))
+        procs.append(cold)
+        port = free_port()
+        log = open(root / "gateway.log", "wb")
+        gw = subprocess.Popen(
+            [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             "--backend", "openai", "--policy", "cache_aware", "--worker-urls", a.url, b.url,
+             "--health-check-interval-secs", "2", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gw.poll() is None and time.monotonic() < deadline, \
+                (root / "gateway.log").read_text()[-3000:]
+            time.sleep(0.3)
+        model = httpx.get(a.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield {"a": a, "b": b, "cold": cold, "gateway": url, "redis": redis, "model": model}
+    finally:
+        if "gw" in locals():
+            gw.terminate()
+            gw.wait(20)
+            log.close()
+        for p in procs:
+            p.stop()
+        redis.stop()
+
+
+def chat(c: dict, url: str, messages: list[dict], max_tokens: int = 8) -> dict:
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": c["model"], "messages": messages, "max_tokens": max_tokens,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def text(body: dict) -> str:
+    return body["choices"][0]["message"]["content"]
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def written_through(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(url, "flare_transfer_pending") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_conversation_started_on_a_continues_on_b_restored_from_redis(cluster):
+    c = cluster
+    turn1 = [SYSTEM, {"role": "user", "content": "List four colours of the rainbow, "
+                                                 "one per line, and nothing else."}]
+    first = chat(c, c["a"].url, turn1)
+    written_through(c["a"].url)
+    turn2 = turn1 + [{"role": "assistant", "content": text(first)},
+                     {"role": "user", "content": "Now two more."}]
+    got = chat(c, c["b"].url, turn2)
+    assert cached(got) > 0
+    assert text(got) == text(chat(c, c["cold"].url, turn2))
+    assert metric(c["b"].url, "flare_remote_tier_read_hits_total") > 0
+
+
+def test_gateway_session_of_ten_turns_reuses_every_turn_after_the_first(cluster):
+    c = cluster
+    messages = [SYSTEM, {"role": "user", "content": "Count with me, one word per turn."}]
+    for turn in range(10):
+        body = chat(c, c["gateway"], messages, max_tokens=6)
+        if turn:
+            assert cached(body) > 0, f"turn {turn} reused nothing"
+        messages += [{"role": "assistant", "content": text(body)},
+                     {"role": "user", "content": f"Next ({turn})."}]
+
+
+def test_redis_killed_mid_workload_no_errors_answers_equal_recompute_and_back(cluster):
+    c = cluster
+    redis = c["redis"]
+    redis.stop()
+    try:
+        for i in range(3):
+            msgs = [SYSTEM, {"role": "user", "content": f"Say the number {i} in words."}]
+            assert text(chat(c, c["a"].url, msgs)) == text(chat(c, c["cold"].url, msgs))
+        health = httpx.get(c["a"].url + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert metric(c["a"].url, "flare_remote_tier_up") == 0
+    finally:
+        redis.start()
+    deadline = time.monotonic() + 20
+    while httpx.get(c["a"].url + "/health", timeout=10).json()["status"] != "ok":
+        assert time.monotonic() < deadline, "the remote tier did not come back"
+        time.sleep(0.2)
+    assert metric(c["a"].url, "flare_remote_tier_reconnects_total") >= 1
+
+
+def test_bounded_load_through_the_gateway_has_no_errors(cluster):
+    c = cluster
+    errors: list[str] = []
+    reused = []
+
+    def client(k: int) -> None:
+        msgs = [SYSTEM, {"role": "user", "content": f"Client {k}: name a fruit."}]
+        with httpx.Client(timeout=120) as http:
+            for turn in range(20):
+                r = http.post(c["gateway"] + "/v1/chat/completions", json={
+                    "model": c["model"], "messages": msgs, "max_tokens": 4,
+                    "temperature": 0})
+                if r.status_code != 200:
+                    errors.append(f"{k}/{turn}: {r.status_code} {r.text[:200]}")
+                    return
+                body = r.json()
+                if turn:
+                    reused.append(cached(body) > 0)
+                msgs += [{"role": "assistant", "content": text(body)},
+                         {"role": "user", "content": "Another."}]
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    assert len(reused) == 4 * 19 and sum(reused) / len(reused) > 0.9

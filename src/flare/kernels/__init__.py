@@ -37,6 +37,8 @@ import os
 import platform
 import shutil
 import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +55,7 @@ HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # includ
 # parallel`; compiled without OpenMP it runs every call on one thread. The module then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
 # so the kernels share torch's thread pool and its torch.set_num_threads setting.
+BUILD_REPORT_S = 10.0  # seconds between two progress lines of a build
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 # The instruction sets the build targets (the -m flags above), part of the cache key.
@@ -142,6 +145,19 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
+def _report_build(folder: Path, done: threading.Event,
+                  interval_s: float = BUILD_REPORT_S) -> None:
+    """Log the build's progress as lines (never a carriage-return bar): every
+    `interval_s` seconds, the compiled objects of `SOURCES` in `folder` as a percentage
+    (the link is the last step), until `done` is set."""
+    start = time.monotonic()
+    while not done.wait(interval_s):
+        compiled = len(list(folder.glob("*.o")))
+        log.warning("building Flare's CPU kernels: %d%% (%d/%d sources compiled, %.0f s)",
+                    100 * compiled // (len(SOURCES) + 1), compiled, len(SOURCES),
+                    time.monotonic() - start)
+
+
 def _build(name: str, final: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -165,6 +181,9 @@ def _build(name: str, final: Path) -> ModuleType:
                 "cached in %s", final.parent)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    done = threading.Event()
+    watcher = threading.Thread(target=_report_build, args=(tmp, done), daemon=True)
+    watcher.start()
     try:
         module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
                                     extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
@@ -173,6 +192,9 @@ def _build(name: str, final: Path) -> ModuleType:
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise KernelUnavailable(f"building Flare's kernels failed: {exc}") from exc
+    finally:
+        done.set()
+        watcher.join()
     try:
         os.rename(tmp, final)  # atomic; fails if another process got there first
     except OSError:

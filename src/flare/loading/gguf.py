@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tqdm.auto import tqdm
 
 from flare.loading.source import Checkpoint, check_tensor_names, source_identity
 from flare.loading.gguf_hybrid import (HYBRID_ARCHITECTURES, hybrid_blocks, hybrid_hf_config,
@@ -26,6 +25,7 @@ from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.quant import GGUF_BLOCK_BYTES, GGUFBlocks
 from flare.models.recipe import recipe_for
+from flare.progress import progress_bar
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -217,7 +217,8 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
         return hybrid_tensors(reader, config, dtype, progress=progress, where=where)
     permute = config.model_type == "llama"
     out: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
+    for t in progress_bar(reader.tensors, desc="dequantizing", unit="tensor",
+                          disable=not progress):
         name = hf_tensor_name(t.name)
         if name is None:
             raise ValueError(f"{where}: tensor {t.name!r} has no Hugging Face equivalent "

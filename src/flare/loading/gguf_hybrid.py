@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from tqdm.auto import tqdm
 
 from flare.models.config import ModelConfig
 from flare.models.quant import GGUFBlocks
+from flare.progress import progress_bar
 
 # GGUF general.architecture -> transformers architecture (the recipe's key)
 HYBRID_ARCHITECTURES = {"lfm2": "Lfm2ForCausalLM", "qwen35": "Qwen3_5ForCausalLM"}
@@ -337,8 +337,8 @@ def hybrid_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
     arch = _arch_of(config)
     cfg = config.hf or {}
     out: dict[str, torch.Tensor] = {}
-    for t, name in tqdm(list(_named(reader, arch, config, where)), desc="dequantizing",
-                        unit="tensor", disable=not progress):
+    for t, name in progress_bar(list(_named(reader, arch, config, where)),
+                                desc="dequantizing", unit="tensor", disable=not progress):
         kind = GGMLQuantizationType(t.tensor_type)
         try:
             arr = dequantize(t.data, kind)

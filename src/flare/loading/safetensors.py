@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from flare.loading.source import Checkpoint, check_tensor_names, source_identity
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.recipe import prepare_tensors, recipe_for
+from flare.progress import progress_bar
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older checkpoints saved that the recipe recomputes.
@@ -80,7 +80,8 @@ def load_safetensors_folder(folder: Path, dtype: torch.dtype = torch.float32,
 
     files = weight_files(folder)
     tensors: dict[str, torch.Tensor] = {}
-    with tqdm(total=len(files), desc="loading", unit="file", disable=not progress) as bar:
+    with progress_bar(total=len(files), desc="loading", unit="file",
+                      disable=not progress) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():

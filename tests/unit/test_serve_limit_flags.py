@@ -89,3 +89,21 @@ def test_serve_pkg_refuses_flags_that_only_shape_an_embedded_package(argv, tmp_p
     args = build_parser().parse_args(["serve", str(tmp_path), *argv])
     with pytest.raises(ValueError, match=f"{argv[0]}.*keeps the plan and weights"):
         cmd_serve(args)
+
+
+def test_header_and_body_timeout_flags_reach_the_settings():
+    """Issue 23: --header-timeout (default 10 s) and --body-timeout (default 30 s)."""
+    args = build_parser().parse_args(["serve", "--embedded"])
+    assert (args.header_timeout, args.body_timeout) == (10.0, 30.0)
+    args = build_parser().parse_args(["serve", "--embedded", "--header-timeout", "2",
+                                      "--body-timeout", "0.5"])
+    settings = ServerSettings(header_timeout_s=args.header_timeout,
+                              body_timeout_s=args.body_timeout)
+    assert (settings.header_timeout_s, settings.body_timeout_s) == (2.0, 0.5)
+    for flag in ("--header-timeout", "--body-timeout"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--embedded", flag, "0"])
+    with pytest.raises(ValueError):
+        ServerSettings(body_timeout_s=0)
+    with pytest.raises(ValueError):
+        ServerSettings(header_timeout_s=-1)

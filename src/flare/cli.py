@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="at SIGTERM/SIGINT, write every cached conversation state to "
                             "the disk tier so the next start restores it (needs a state "
                             "folder)")
+    serve.add_argument("--no-write-through", action="store_true",
+                       help="do not write finished and evicted conversation states to the "
+                            "state folder in the background (by default they are, so a "
+                            "killed server restarts with its recent working set)")
     serve.add_argument("--restore-cost-factor", type=float, default=0.5,
                        help="restore a state from host/disk only when its transfer is "
                             "estimated below this x the prefill it saves (default 0.5)")
@@ -293,6 +297,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           state_dir=str(state_dir) if state_dir else None,
           restore_cost_factor=args.restore_cost_factor,
           save_state_on_shutdown=args.save_state_on_shutdown,
+          write_through=not args.no_write_through,
           max_pinned_pages=args.max_pinned_pages,
           shutdown_timeout_s=args.shutdown_timeout, device=args.device,
           cuda_graphs=not args.no_cuda_graphs, remote_tier=_remote_tier(args))

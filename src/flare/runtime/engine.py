@@ -111,6 +111,11 @@ class Engine:
         host_tier_bytes, disk_tier_bytes: overrides of the plan's tier budgets (bytes).
         max_pending_transfers: most host<->disk transfer tickets queued at once (more:
             EnqueueRejected).
+        write_through: with a disk tier: write each finished sequence's chain and each
+            state leaving the device pool to disk in the background (`TierStore`), so a
+            killed process restarts with its recent working set. False: states reach
+            disk only when the host tier overflows, on a save, an offload to disk or a
+            shutdown save (`flare serve --no-write-through`).
         max_pinned_pages: most KV pages the named sessions' latest states may pin on the
             device together (default: a quarter of the pool).
         decode_graphs: run decode-only steps through these fixed-shape buckets
@@ -139,6 +144,7 @@ class Engine:
                  checkpoint_interval: int | None = None,
                  state_dir: str | Path | None = None, host_tier_bytes: int | None = None,
                  disk_tier_bytes: int | None = None, max_pending_transfers: int = 16,
+                 write_through: bool = True,
                  max_pinned_pages: int | None = None,
                  decode_graphs: GraphPlan | None = None,
                  remote_tier: RemoteTierConfig | None = None) -> None:
@@ -206,6 +212,9 @@ class Engine:
                 plan.host_tier_bytes if host_tier_bytes is None else host_tier_bytes,
                 plan.disk_tier_bytes if disk_tier_bytes is None else disk_tier_bytes,
                 max_pending_transfers, remote_tier)
+            if self.tiers is not None and isinstance(self.tiers.disk, DiskTier):
+                # finished and evicted states reach the state folder in the background
+                self.tiers.write_through_on = write_through
         # saved session names live beside the disk tier, under its folder lock; without a
         # disk tier nothing is saved, so nothing is written there
         below = self.tiers.disk if self.tiers is not None else None
@@ -412,29 +421,43 @@ class Engine:
                              "tier budget above 0 and the prefix cache on)")
         return self.tiers.save(tokens)
 
-    def _save_sessions(self, timeout: float = 60.0) -> int:
-        """At shutdown (the step loop stopped): write every named session's whole chain
-        to the disk tier as `save_session` does (its pages, which stay pinned on the device
-        and so are never offloaded, and every checkpoint along it) and mark those written
-        as saved, so they survive the restart by name too. Returns the sessions saved;
-        a session that cannot be saved is logged and skipped."""
+    def start_session_saves(self, wait: float = 0.0) -> list[tuple[str, list[int], Any, int]]:
+        """Engine thread only: write every named session's whole chain to the disk tier
+        as `save_session` does (its pages, which stay pinned on the device and so are
+        never offloaded, and every checkpoint along it). Returns (name, tokens, write
+        ticket or None, positions covered) per session handed to the worker, for
+        `finish_session_saves`. A session that cannot be saved is logged and skipped;
+        `wait` > 0: on a full queue, wait up to that long for it to drain, then once more
+        (shutdown; on the step loop it would stall every request)."""
         from flare.state.tiers import SaveRefused
 
         tiers, done = self.tiers, []
+        if tiers is None or tiers.transfers is None:
+            return done
         for name, session in self.sessions.snapshot().items():
             try:
                 try:
                     ticket, covered = tiers.save(session.tokens)
-                except SaveRefused:  # a full queue: let it drain, then once more
-                    tiers.transfers.wait_idle(timeout)
+                except SaveRefused:
+                    if not wait:
+                        raise
+                    tiers.transfers.wait_idle(wait)
                     ticket, covered = tiers.save(session.tokens)
             except Exception:
-                log.exception("saving session %s at shutdown failed", name)
+                log.exception("saving session %s failed", name)
                 continue
             done.append((name, session.tokens, ticket, covered))
-        tiers.transfers.wait_idle(timeout)
+        return done
+
+    def finish_session_saves(self, saves: list[tuple[str, list[int], Any, int]],
+                             timeout: float = 60.0) -> int:
+        """Any thread: wait up to `timeout` for the writes of `start_session_saves` and
+        mark each session whose chain was written whole as saved (it then survives a
+        restart by name too). Returns the sessions marked."""
         saved = 0
-        for name, tokens, ticket, covered in done:
+        for name, tokens, ticket, covered in saves:
+            if ticket is not None:
+                ticket.done.wait(timeout)
             if covered and (ticket is None or (ticket.done.is_set() and ticket.error is None
                                                and ticket.written == len(ticket.keys))):
                 saved += self.sessions.mark_saved(name, tokens, covered)
@@ -451,7 +474,9 @@ class Engine:
         """Stop the step loop (running requests end with "abort"); with
         `save_state_on_stop` and a disk tier, first write every cached state to disk (each
         named session's whole chain included, pinned on the device as it is), so a
-        restarted server restores it. Then close the tiers."""
+        restarted server restores it; without it, send write-through's last records
+        (what finished sequences computed is then on disk). Then close the tiers (the
+        worker finishes the queued writes first)."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -462,11 +487,15 @@ class Engine:
             return
         if self.save_state_on_stop and self.tiers.transfers is not None:
             try:
-                self._save_sessions()  # pinned states never leave the device by offload
+                # pinned states never leave the device by offload
+                self.finish_session_saves(self.start_session_saves(wait=60.0))
                 self.offload()
                 log.info("saved %d state records to disk at shutdown", self.tiers.flush())
             except Exception:  # a failed save costs recomputation later, never the exit
                 log.exception("saving state at shutdown failed")
+        elif self.tiers.transfers is not None:  # write-through's last records
+            self.tiers.transfers.wait_idle(timeout)
+            self.tiers.submit_writes(force=True)
         self.tiers.close()
         # the pools stay usable (tests read them after stop) but nothing reaches the tiers
         self.tiers = self._reuse.tiers = self._reuse.index.on_evict = None
@@ -619,7 +648,9 @@ class Engine:
             with self._wake:
                 while not (self._stopping or self._inbox or self._aborts or self._commands
                            or (self.scheduler.has_work()
-                               and not self.scheduler.waiting_on_transfers)):
+                               and not self.scheduler.waiting_on_transfers)
+                           # write-through records held while a write ran: send them
+                           or (self.tiers is not None and self.tiers.writes_ready)):
                     # with every request waiting on a transfer ticket, its completion
                     # notifies; the timeout only bounds a missed notification
                     self._wake.wait(0.1 if self.scheduler.has_work() else None)
@@ -706,6 +737,8 @@ class Engine:
                     self._checkpoint(seq)
         for seq, tok in zip(sampled, tokens):
             self._append(seq, tok)
+        if self.tiers is not None:  # what this step's finishes wrote through
+            self.tiers.submit_writes()
         return True
 
     @torch.inference_mode()
@@ -943,6 +976,8 @@ class Engine:
         if error is None:  # a failed step may have left this sequence's last page half written
             self._publish_tail(seq)
             self._checkpoint(seq)  # end of generation: the state at num_computed
+            if self.tiers is not None:
+                self.tiers.write_through(seq.token_ids[:seq.num_computed])
             if seq.request.session is not None and reason != "abort":
                 self._keep_session(seq)
             if self.remote_tier is not None and self.tiers is not None and reason != "abort":

@@ -444,6 +444,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", *, prefix_cache: bool = True,
           shutdown_timeout_s: float = 10.0, state_dir: str | None = None,
           restore_cost_factor: float = 0.5, save_state_on_shutdown: bool = False,
+          write_through: bool = True,
           max_pinned_pages: int | None = None, threads: int | None = None,
           device: str = "cpu", cuda_graphs: bool = True, remote_tier: Any = None,
           **settings: Any) -> None:
@@ -466,6 +467,9 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
             is below this factor x the estimated prefill time it saves (speeds measured by
             prepare, manifest tuning).
         save_state_on_shutdown: at exit, write every cached state to the disk tier.
+        write_through: with a disk tier, write finished and evicted states to it in the
+            background, so a killed server restarts with them (False:
+            `--no-write-through`).
         max_pinned_pages: most KV pages named sessions may pin (None: a quarter of the pool).
         threads: torch intra-op threads (None: `serving_threads` of the package's tuning).
         device: "cpu" or "cuda[:N]"; the package must have been prepared for its class.
@@ -490,6 +494,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         package_path, device=device, threads=threads,
         restore_cost_factor=restore_cost_factor, cuda_graphs=cuda_graphs,
         save_state_on_shutdown=save_state_on_shutdown, prefix_cache=prefix_cache,
+        write_through=write_through,
         state_dir=state_dir, max_pinned_pages=max_pinned_pages, remote_tier=remote_tier)
 
     async def main() -> None:

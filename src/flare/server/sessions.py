@@ -5,7 +5,8 @@
     POST   /v1/sessions/{name}/fork   {"id": NEW}: NEW starts from the same state
     POST   /v1/sessions/{name}/save   write the state to the disk tier (survives a restart)
     POST   /v1/state/offload          {"to": "host" | "disk"}: move every cached state no
-                                      request uses out of the device pools
+                                      request uses and no session pins out of the device
+                                      pools (to disk: sessions' pinned chains are copied)
 
 Errors are OpenAI-style bodies: 400 for a bad name or body, 404 for an unknown session,
 409 when a fork target exists (or the session changed during a save), 503 when the server
@@ -133,9 +134,13 @@ def sessions_router(engine: Any) -> APIRouter:
 
     @router.post("/v1/state/offload")
     async def offload_state(request: Request) -> dict[str, Any]:
-        """Move every cached state no request uses out of the device pools: to the host
-        tier (`{"to": "host"}`, the default) or on to disk (`{"to": "disk"}`: waits for
-        the writes; before a planned restart, so the next server restores from disk)."""
+        """Move every cached state no request uses and no session pins out of the device
+        pools: to the host tier (`{"to": "host"}`, the default) or on to disk (`{"to":
+        "disk"}`: waits for the writes; before a planned restart, so the next server
+        restores from disk). Pinned session chains stay on the device (a pin keeps a
+        session's next turn there); to disk, each named session's whole chain is also
+        written and the session marked saved, as `--save-state-on-shutdown` does, so
+        nothing the device holds is left off the disk."""
         core = engine_core()
         try:
             body = await request.json() if await request.body() else {}
@@ -149,14 +154,20 @@ def sessions_router(engine: Any) -> APIRouter:
             raise ApiError(503, f"this server has no {to} tier", type="server_error",
                            code=f"no_{to}_tier")
         pages = await asyncio.wrap_future(core.call(core.offload))
-        written = 0
+        written = sessions = 0
         if to == "disk":
             stats = core.tiers.transfers.stats
             before = stats.records_written
+            saves = await asyncio.wrap_future(core.call(core.start_session_saves))
             await asyncio.wrap_future(core.call(lambda: core.tiers.flush(0)))
             await asyncio.to_thread(core.tiers.transfers.wait_idle, SAVE_TIMEOUT_S)
+            try:
+                sessions = await asyncio.to_thread(core.finish_session_saves, saves,
+                                                   SAVE_TIMEOUT_S)
+            except OSError as exc:
+                raise _unwritable(exc) from None
             written = stats.records_written - before  # written now, not merely handed over
         return {"object": "state.offload", "to": to, "pages_released": pages,
-                "records_written": written}
+                "records_written": written, "sessions_saved": sessions}
 
     return router

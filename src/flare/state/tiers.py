@@ -18,6 +18,15 @@ Records are keyed like the prefix index (chained BLAKE2b keys rooted in the pack
 so a key made by one package is never found by another, and keys survive a restart:
 after one, the disk tier's index offers the records again and promotion finds them.
 
+Write-through (on by default with a disk tier; `flare serve --no-write-through` turns it
+off): each record a demotion keeps is also queued for disk, and so is, when a sequence
+finishes, every part of its chain the disk tier lacks (`write_through`: pages, tail, and
+for hybrids every checkpoint along it). The copy out of the device pools happens on the
+engine thread between steps (a record is a snapshot); encoding, writing and fsyncs run
+on the transfer worker. So the disk tier holds the recent working set, chain heads
+included, and a process killed at any moment restarts with it, minus what the worker had
+not written yet; each record is whole or absent (`flare.state.disk_tier`).
+
 All or nothing: a restore reads every record it needs first; each is verified whole by
 its tier. KV pages are usable at any page boundary, so a chain cut short by a missing or
 rejected record still restores a correct, shorter prefix. A hybrid layer state is usable
@@ -49,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PAGE, TAIL, CHECKPOINT = "page", "tail", "checkpoint"
+WRITE_BEHIND_BYTES = 256 << 20  # most record bytes write-through holds for a busy worker
+MAX_TOUCHES = 1 << 16  # most stored keys waiting to be marked used
 
 
 def _key(tag: bytes, parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -209,6 +220,8 @@ class TierStats:
     dropped_records: int = 0  # pushed out of the host tier with no disk tier (or queue full)
     restore_failures: int = 0
     disk_index_errors: int = 0  # the disk tier's index could not be read for stats
+    written_through: int = 0  # records queued for disk by write-through
+    write_through_capped: int = 0  # chains cut short: the rest would not fit the budget
 
 
 class TierStore:
@@ -222,6 +235,11 @@ class TierStore:
         disk: the disk tier, or None (then records leaving the host tier are dropped).
         transfers: the transfer queue over `disk` (None without a disk tier).
         checkpoints: hybrid recipes: the device checkpoint index.
+        write_through: with a disk tier: every state leaving the device pool, and each
+            finished sequence's chain (`write_through`), is also written to disk in the
+            background, so a crash keeps the recent working set (`flare.state.tiers`
+            module notes, "Write-through"); the attribute `write_through_on` may be set
+            later (before the first step).
 
     All methods but the transfer worker's run on the engine thread.
     """
@@ -229,14 +247,17 @@ class TierStore:
     def __init__(self, index: "PrefixIndex", kv: "KVCache", policy: "CostPolicy",
                  host_budget_bytes: int, disk: "DiskTier | None" = None,
                  transfers: "TransferQueue | None" = None,
-                 checkpoints: "CheckpointIndex | None" = None) -> None:
+                 checkpoints: "CheckpointIndex | None" = None,
+                 write_through: bool = False) -> None:
         self.index, self.kv, self.policy = index, kv, policy
         self.host = HostTier(host_budget_bytes)
         self.disk, self.transfers, self.checkpoints = disk, transfers, checkpoints
         self.page_size = index.page_size
         self.stats = TierStats()
-        # pushed out of the host tier, not yet handed to the transfer worker
+        self.write_through_on = write_through
+        # pushed out of the host tier (or written through), not yet handed to the worker
         self._outbox: dict[bytes, StateRecord] = {}
+        self._touch: list[bytes] = []  # stored keys to mark used after those writes
 
     # ---- demote -------------------------------------------------------------------------
 
@@ -250,8 +271,12 @@ class TierStore:
 
     def demote(self, record: "StateRecord") -> None:
         """Put `record` in the host tier; what that pushes out is queued for disk (sent by
-        `submit_writes`, once per engine step)."""
+        `submit_writes`, once per engine step). With write-through, `record` itself is
+        queued for disk too, unless the disk tier holds it already."""
         self.stats.demoted_records += 1
+        if (self.write_through_on and self.transfers is not None
+                and not self.disk.offered([record.key])):
+            self._outbox[record.key] = record
         self._to_disk(self.host.put(record))
 
     def _to_disk(self, records: list["StateRecord"]) -> None:
@@ -261,15 +286,43 @@ class TierStore:
         for rec in records:
             self._outbox[rec.key] = rec
 
-    def submit_writes(self) -> None:
-        """Hand the records pushed out of the host tier since the last call to the transfer
-        worker as one write ticket (a full queue drops them: a later recompute, never a
-        wrong answer). Called by the engine after each step's scheduling."""
-        if not self._outbox:
+    def submit_writes(self, force: bool = False) -> None:
+        """Hand the records pushed out of the host tier (and written through) since the
+        last call to the transfer worker as one write ticket (a full queue drops them: a
+        later recompute, never a wrong answer). Called by the engine after each step's
+        scheduling and after its outputs.
+
+        With write-through, while a write ticket is still pending the records wait here
+        and join the next ticket (one write ticket in flight: reads never queue behind
+        many writes, and a busy disk merges work instead of filling the queue), up to
+        `WRITE_BEHIND_BYTES`, beyond which the oldest are dropped. `force`: send now
+        (flush, shutdown)."""
+        if not self._outbox and not self._touch:
+            return
+        if self.write_through_on and not force and self.transfers.num_pending_writes:
+            self._bound_outbox()
             return
         records, self._outbox = list(self._outbox.values()), {}
-        if self.transfers.write(records) is None:
+        touch, self._touch = self._touch, []
+        if self.transfers.write(records, touch=tuple(touch)) is None:
             self.stats.dropped_records += len(records)
+
+    @property
+    def writes_ready(self) -> bool:
+        """Records wait for the worker and no write ticket is pending: the engine's idle
+        loop steps once more to send them."""
+        return bool(self._outbox or self._touch) and self.transfers is not None \
+            and not self.transfers.num_pending_writes
+
+    def _bound_outbox(self) -> None:
+        """Drop the oldest waiting records beyond `WRITE_BEHIND_BYTES` (counted as
+        dropped), and the oldest touches beyond `MAX_TOUCHES`."""
+        size = sum(r.nbytes for r in self._outbox.values())
+        while size > WRITE_BEHIND_BYTES and self._outbox:
+            rec = self._outbox.pop(next(iter(self._outbox)))
+            size -= rec.nbytes
+            self.stats.dropped_records += 1
+        del self._touch[:-MAX_TOUCHES]
 
     def flush(self, timeout: float = 60.0) -> int:
         """Write every host record to disk and wait for it (tests, shutdown). Returns the
@@ -278,9 +331,78 @@ class TierStore:
             return 0
         drained = self.host.drain()
         self._to_disk(drained)
-        self.submit_writes()
+        self.submit_writes(force=True)
         self.transfers.wait_idle(timeout)
         return len(drained)
+
+    def write_through(self, tokens: list[int]) -> int:
+        """Queue for disk, in the background, the state of `tokens` (a finished
+        sequence's computed tokens) that the disk tier does not hold yet: its full pages
+        and tail on the device, and, for hybrid recipes, every checkpoint along it (the
+        prompt end and the token before it, the generation end, grid points). Sent with
+        the step's other writes by `submit_writes`.
+
+        Order: records by position, each checkpoint after the page holding its last
+        position, so a crash part-way leaves the longest usable prefix; then the whole
+        chain is touched deepest first, so the disk tier's least-recently-used eviction
+        drops a conversation's end before the pages it hangs from. A chain larger than
+        the disk budget is written only as far as it fits (it would otherwise evict its
+        own beginning). Returns the records queued (0 without write-through)."""
+        if not self.write_through_on or self.transfers is None:
+            return 0
+        parts = self._chain_parts(tokens)
+        if not parts:
+            return 0
+        budget, total, fit = self.disk.budget_bytes, 0, []
+        for part in parts:
+            total += part[3]
+            if total > budget * 0.9:  # room for the record headers
+                self.stats.write_through_capped += 1
+                break
+            fit.append(part)
+        keys = [p[1] for p in fit]
+        have = self.disk.offered(keys) | set(self._outbox)
+        if self.transfers is not None:
+            have |= {r.key for r in self.transfers.pending_writes()}
+        queued = 0
+        for _, key, make, _ in fit:
+            if key not in have:
+                self._outbox[key] = make()
+                queued += 1
+        self._touch += keys[::-1]
+        self.stats.written_through += queued
+        return queued
+
+    def _chain_parts(self, tokens: list[int]) -> list[tuple[tuple[int, int], bytes, object, int]]:
+        """(order, key, record maker, estimated bytes) of each part of `tokens`' state the
+        device holds: full pages from the root while listed, the tail, the checkpoints
+        along them; sorted by order (page index, checkpoints after their page)."""
+        index, ps, kv = self.index, self.page_size, self.kv
+        per_token = kv.layout.kv_bytes_per_token
+        parent, pos, parts = index.root, 0, []
+        chain = [index.root]
+        while pos + ps <= len(tokens):
+            node = index.node(page_key(parent, tuple(tokens[pos:pos + ps])))
+            if node is None:
+                break
+            parts.append(((pos // ps, 0), node.key,
+                          lambda n=node: page_record(kv, n), ps * per_token))
+            parent, pos = node.key, pos + ps
+            chain.append(parent)
+        rest = tuple(tokens[pos:])
+        node = index.tail_node(parent, rest) if rest else None
+        if node is not None:
+            parts.append(((pos // ps, 0), tail_key(parent, node.tokens),
+                          lambda n=node: page_record(kv, n), len(node.tokens) * per_token))
+            pos += len(rest)
+        ckpts = self.checkpoints
+        if ckpts is not None:
+            size = ckpts.states.bytes_per_slot
+            for c in ckpts.along(tokens, chain, pos):
+                parts.append((((c.position - 1) // ps, 1), checkpoint_key(c.parent, c.tail),
+                              lambda c=c: checkpoint_record(ckpts.states, c), size))
+        parts.sort(key=lambda p: p[0])
+        return parts
 
     def save(self, tokens: list[int]) -> tuple["Ticket | None", int]:
         """Write the state of `tokens` (its computed prefix: the caller passes the tokens
@@ -648,6 +770,10 @@ class TierStore:
             "prompt_tokens_cached_disk_total": s.restored_tokens_disk,
             "tier_dropped_records_total": s.dropped_records,
             "tier_restore_failures_total": s.restore_failures,
+            "tier_written_through_records_total": s.written_through,
+            "tier_write_through_capped_total": s.write_through_capped,
+            # records waiting for the worker (a write ticket was still pending)
+            "tier_writes_waiting_records": len(self._outbox),
         }
         if self.disk is not None:
             try:  # a damaged index must not fail every caller of stats (/metrics, the guard)

@@ -73,6 +73,10 @@ def test_budget_evicts_least_recently_used(redis):
         assert t.contains_many([record(i).key for i in (1, 2, 3, 4)]) == {
             record(i).key for i in (1, 3, 4)}
         assert t.stats.evicted == 1
+        t.touch_many([record(3).key, b"\x09" * 16])  # 3 used again; an absent key is ignored
+        assert t.put(record(2))
+        assert t.contains_many([record(i).key for i in (1, 2, 3, 4)]) == {
+            record(i).key for i in (2, 3, 4)}
         t.check_integrity()
         assert not t.put(record(5, n=10_000))  # alone larger than the budget
         assert t.stats.refused == 1

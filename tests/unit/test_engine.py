@@ -302,3 +302,79 @@ def test_degenerate_sampling_values_never_fail_the_batch(tiny):
         assert outs["ok"][-1].finish_reason == "length" and outs["ok"][-1].error is None
     with pytest.raises(ValueError, match="64-bit"):
         SamplingParams(seed=2**64)
+
+
+class FailingConstraint(ForcedTokens):
+    """ForcedTokens whose grammar gives up after `after` tokens (as GrammarConstraint
+    does: only end-of-sequence allowed from then on, `is_done()` True, `error` set)."""
+
+    def __init__(self, forced: list[int], after: int, eos: int) -> None:
+        super().__init__(forced)
+        self.after, self.eos, self.error = after, eos, None
+
+    def allowed(self, vocab_size: int):
+        if self.error is None:
+            return super().allowed(vocab_size)
+        import torch
+
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.eos] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        super().advance(token_id)
+        if self.i == self.after:
+            self.error = "Too many items (injected)"
+
+    def is_done(self) -> bool:
+        return self.error is not None or super().is_done()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_failed_constraint_finishes_with_grammar_error_never_stop(tiny, ignore_eos):
+    """Issue 23: a grammar failure mid-generation ended as "stop" with the cut output; it
+    is "grammar_error", counted in grammar_failures_total (the cut tokens are still sent)."""
+    engine = make_engine(tiny)
+    forced = tiny.tokenizer.encode('{"a": [1, 2, 3]}', add_special_tokens=False)
+    eos = tiny.tokenizer.eos_token_id
+    req = GenerationRequest("g", prompts(tiny, 1)[0],
+                            SamplingParams(max_tokens=50, temperature=0, ignore_eos=ignore_eos),
+                            constraint=FailingConstraint(forced, 2, eos))
+    outs = engine.run_until_idle([req])["g"]
+    assert outs[-1].finish_reason == "grammar_error"
+    assert tokens(outs)[:2] == forced[:2] and len(tokens(outs)) <= 3
+    assert engine.stats()["grammar_failures_total"] == 1
+    ok = GenerationRequest("ok", prompts(tiny, 1)[0],
+                           SamplingParams(max_tokens=50, temperature=0),
+                           constraint=ForcedTokens(forced))
+    assert engine.run_until_idle([ok])["ok"][-1].finish_reason == "stop"
+    assert engine.stats()["grammar_failures_total"] == 1
+    assert_pools_back_to_baseline(engine)
+
+
+def test_num_waiting_never_undercounts_while_the_inbox_drains(tiny):
+    """The queue bound reads num_waiting from the event loop while the engine thread moves
+    requests from the inbox to the scheduler: the count must never dip below the requests
+    still queued (a dip lets a burst past --max-queue). The high-water mark is exact."""
+    engine = make_engine(tiny)
+    ps = prompts(tiny, 1)[0]
+    reqs = [GenerationRequest(f"w{i}", ps, SamplingParams(max_tokens=1, temperature=0))
+            for i in range(6)]
+    for r in reqs:
+        engine.add_request(r)
+    assert engine.num_waiting == 6 and engine.stats()["num_waiting_peak"] == 6
+    admitted = []
+    real_admit = engine._admit
+
+    def admit(req):  # while admitting: everything not yet running is still counted
+        real_admit(req)
+        admitted.append(engine.num_waiting)
+
+    engine._admit = admit
+    engine._drain_inbox()
+    # in the scheduler before it leaves the inbox: counted twice for a moment (which only
+    # makes the bound stricter), never fewer than the 6 not yet running
+    assert len(admitted) == 6 and min(admitted) >= 6
+    assert engine.num_waiting == 6
+    engine.run_until_idle([])
+    assert engine.num_waiting == 0 and engine.stats()["num_waiting_peak"] == 6

@@ -268,13 +268,15 @@ def test_default_format_is_the_files_own(loaded):
                                  source=ckpt.source) == FILES[name][-1]
 
 
-def test_a_k_quant_or_mixed_file_is_not_native():
+def test_a_k_quant_or_mixed_file_is_kx8():
+    """Files neither q4x8 nor q8x8 hold whole go to kx8 (test_kquant.py), which keeps
+    every weight in its own type."""
     src = {"format": "gguf", "weight_types": {"layers": ["Q4_K", "Q6_K"], "other": ["Q6_K"]}}
-    assert native_format(src) is None
+    assert native_format(src) == "kx8"
     src["weight_types"] = {"layers": ["Q4_1", "Q8_0"], "other": ["Q8_0"]}
-    assert native_format(src) is None  # q/k/v of two kinds would not fuse
+    assert native_format(src) == "kx8"  # q/k/v of two kinds: stacked, not fused
     src["weight_types"] = {"layers": ["Q4_0"], "other": ["Q6_K"]}
-    assert native_format(src) is None  # the output layer would be re-quantized
+    assert native_format(src) == "kx8"  # the output layer kept as Q6_K
     src["weight_types"] = {"layers": ["Q4_0", "Q4_1"], "other": ["F16", "Q4_0"]}
     assert native_format(src) == "q4x8"
     assert native_format({"format": "safetensors"}) is None

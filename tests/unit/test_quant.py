@@ -82,13 +82,17 @@ def test_default_format_of_a_q4_1_gguf_is_its_own_blocks_q4x8():
     kw = dict(dtype="float32", device="cpu", recipe="llama")
     assert native_q4x8(gguf) and default_weight_format(**kw, source=gguf) == "q4x8"
     q4_0 = {"format": "gguf", "weight_types": {"layers": ["Q4_0"], "other": ["Q6_K"]}}
-    assert default_weight_format(**kw, source=q4_0) == "fp16"  # a K-quant output layer
+    assert default_weight_format(**kw, source=q4_0) == "kx8"  # a K-quant output layer
     q4_0["weight_types"]["other"] = ["Q8_0"]
     assert default_weight_format(**kw, source=q4_0) == "q4x8"
     q8_0 = {"format": "gguf", "weight_types": {"layers": ["Q8_0"], "other": ["Q8_0"]}}
     assert native_q8x8(q8_0) and default_weight_format(**kw, source=q8_0) == "q8x8"
-    for types in ({"layers": ["Q4_1", "Q8_0"], "other": ["Q8_0"]},  # would not fuse
-                  {"layers": ["Q4_1", "Q6_K"], "other": ["Q8_0"]},
+    for types in ({"layers": ["Q4_1", "Q8_0"], "other": ["Q8_0"]},  # stacked: kx8
+                  {"layers": ["Q4_1", "Q6_K"], "other": ["Q8_0"]}):
+        source = {"format": "gguf", "weight_types": types}
+        assert not native_q4x8(source) and not native_q8x8(source)
+        assert default_weight_format(**kw, source=source) == "kx8"
+    for types in ({"layers": ["Q5_K", "Q6_K"], "other": ["Q8_0"]},
                   {"layers": ["F16"], "other": ["F16"]}, {}):
         source = {"format": "gguf", "weight_types": types}
         assert not native_q4x8(source) and not native_q8x8(source)

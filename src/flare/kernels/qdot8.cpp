@@ -1,4 +1,5 @@
-// Block-quantized weight GEMMs with int8 activations (weight format `q4x8`), AVX2.
+// Block-quantized weight GEMMs with int8 activations (weight formats `q4x8`, `q8x8`,
+// `kx8`), AVX2.
 //
 // The arithmetic of llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products: each row of x
 // [B, K] is quantized per block of 32 along K exactly as `flare.models.quant.quantize_q8`
@@ -27,6 +28,16 @@
 // 8 output rows, a lane each, and x's 4 codes for that chunk are one broadcast dword:
 // per row of x and group block, 8 multiply-adds (u8 x s8 to int16 pairs), their sum, one
 // pair-add to int32, a convert and two FMAs give 8 outputs' block terms at once.
+//
+// GGUF K-quants (super-blocks of 256 along K, format `kx8`) use the same x blocks of 32:
+//   Q4_K (q4kx8_linear): q4's codes and kernel, the block scale d * sc and min
+//       -(dmin * m) computed from the 6-bit sub-block sc, m (uint8 [nb, 8] per group) and
+//       the super-block's float16 d, dmin ([nb / 8, 8]); the products are exact in
+//       float32, so the arithmetic is q4's with float32 scales and mins;
+//   Q6_K (q6kx8_linear): codes q - 32 in q8's layout, int8 scales per 16 values, one
+//       float16 d per super-block; the two half-block sums are scaled by their integer
+//       scales in int32 (exact), then by d * dx.
+// Every row of x is still computed by the same instructions whatever the batch.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -125,14 +136,48 @@ inline __m256i broadcast_dword(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// R rows of quantized x against one q4 group: acc[r] (8 lanes, one per weight row).
 // 8 float16 values at p, widened to float32
 inline __m256 load_half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int R>
-inline void q4_group(const uint8_t* pc, const at::Half* ps, const at::Half* pm, const int8_t* xq,
+// A Q4_1-style group's block scales and mins: float16 [nb, 8] each, as stored.
+struct HalfScales {
+  const at::Half* d;
+  const at::Half* m;
+  inline void operator()(int64_t kb, __m256& d8, __m256& m8) const {
+    d8 = load_half8(d + kb * 8);
+    m8 = load_half8(m + kb * 8);
+  }
+};
+
+// 8 unsigned bytes at p, as float32 lanes
+inline __m256 u8x8_to_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// A Q4_K group's block scales and mins, computed from the 6-bit sub-block scale sc and
+// min m (uint8 [nb, 8] each) and the super-block's d and dmin (float16 [nb / 8, 8]):
+// scale d * sc and min -(dmin * m). Both products are exact in float32 (11 + 6 bits), so
+// they are the very values gguf's dequantization multiplies and subtracts.
+struct Q4KScales {
+  const uint8_t* sc;
+  const uint8_t* m;
+  const at::Half* d;
+  const at::Half* dmin;
+  inline void operator()(int64_t kb, __m256& d8, __m256& m8) const {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    d8 = _mm256_mul_ps(load_half8(d + (kb / 8) * 8), u8x8_to_ps(sc + kb * 8));
+    m8 = _mm256_xor_ps(_mm256_mul_ps(load_half8(dmin + (kb / 8) * 8), u8x8_to_ps(m + kb * 8)),
+                       sign);
+  }
+};
+
+// R rows of quantized x against one q4 group: acc[r] (8 lanes, one per weight row).
+// `scales(kb, d8, m8)` gives block kb's 8 scales and mins as float32.
+template <int R, typename Scales>
+inline void q4_group(const uint8_t* pc, const Scales& scales, const int8_t* xq,
                      const float* xd, const float* xs, int64_t K, __m256* acc) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -146,8 +191,8 @@ inline void q4_group(const uint8_t* pc, const at::Half* ps, const at::Half* pm, 
       w[ch] = _mm256_and_si256(raw, low);
       w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
-    const __m256 d8 = load_half8(ps + kb * 8);
-    const __m256 m8 = load_half8(pm + kb * 8);
+    __m256 d8, m8;
+    scales(kb, d8, m8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
       // each int16 pair sum is at most 2 * 15 * 127 = 3810 in magnitude: 8 of them add
@@ -158,6 +203,53 @@ inline void q4_group(const uint8_t* pc, const at::Half* ps, const at::Half* pm, 
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
       acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
+    }
+  }
+}
+
+// 8 int8 scales at p (one per row) as int16 pairs: dword lane i holds scale i in both
+// halves, so vpmaddwd against two int16 partial sums gives scale * (their sum).
+inline __m256i scale_pairs(const int8_t* p) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
+                         _mm256_slli_epi32(v, 16));
+}
+
+// R rows of quantized x against one Q6_K group: codes c = q - 32 (int8, -32..31) in the
+// q8 layout, int8 scales per 16 values ([nb * 2, 8]: block kb's halves at 16 kb and
+// 16 kb + 8), float16 d per super-block of 256 ([nb / 8, 8]). Per block of 32 and row:
+//   p = sc_lo * sum_{j<16}(c_j q_j) + sc_hi * sum_{j>=16}(c_j q_j)      (int32, exact)
+//   y += (d * dx) * p
+// |p| <= 2 * 128 * 16 * 32 * 127 < 2^24, so its float32 conversion is exact too.
+template <int R>
+inline void q6k_group(const int8_t* pc, const int8_t* psc, const at::Half* pd,
+                      const int8_t* xq, const float* xd, int64_t K, __m256* acc) {
+  const int64_t nb = K / QK;
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const int8_t* cb = pc + kb * 256;
+    __m256i raw[8], mag[8];
+    for (int ch = 0; ch < 8; ++ch) {
+      raw[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
+      mag[ch] = _mm256_sign_epi8(raw[ch], raw[ch]);  // |c| <= 32
+    }
+    const __m256i lo = scale_pairs(psc + kb * 16), hi = scale_pairs(psc + kb * 16 + 8);
+    const __m256 d8 = load_half8(pd + (kb / 8) * 8);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + kb * QK;
+      // a pair sum is at most 2 * 32 * 127 = 8128: four add up in int16 (32512)
+      __m256i a16 = _mm256_maddubs_epi16(mag[0], _mm256_sign_epi8(broadcast_dword(xb), raw[0]));
+      __m256i b16 = _mm256_maddubs_epi16(mag[4],
+                                         _mm256_sign_epi8(broadcast_dword(xb + 16), raw[4]));
+      for (int ch = 1; ch < 4; ++ch) {
+        a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(
+            mag[ch], _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch])));
+        b16 = _mm256_add_epi16(b16, _mm256_maddubs_epi16(
+            mag[ch + 4], _mm256_sign_epi8(broadcast_dword(xb + 16 + 4 * ch), raw[ch + 4])));
+      }
+      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(a16, lo), _mm256_madd_epi16(b16, hi));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),
+                               _mm256_cvtepi32_ps(p), acc[r]);
     }
   }
 }
@@ -243,9 +335,10 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
   for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, sc + g * nb * 8, mn + g * nb * 8,
-                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
-                                            xr.s.data() + b0 * nb, K, acc)));
+    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8};
+    FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, gs, xr.q.data() + b0 * K,
+                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
+                                            acc)));
   });
   return y;
 }
@@ -266,6 +359,75 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
     FLARE_DISPATCH_GTILE(rows, (q8_group<R>(c + g * nb * 256, sc + g * nb * 8,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
                                             acc)));
+  });
+  return y;
+}
+
+void check_k(const torch::Tensor& x, const torch::Tensor& codes, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x must be a contiguous float32 [B, K] tensor");
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
+  TORCH_CHECK(K % 256 == 0, "K-quant weights need K a multiple of 256, got ", K);
+  TORCH_CHECK(codes.is_contiguous() && codes.size(0) % 8 == 0,
+              "packed weights have contiguous codes and a multiple of 8 rows, got ",
+              codes.size(0));
+}
+
+void check_part(const torch::Tensor& t, const char* what, torch::ScalarType type, int64_t N,
+                int64_t cols) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == type && t.is_contiguous() &&
+                  t.size(0) == N && t.size(1) == cols,
+              what, " must be contiguous ", type, " [", N, ", ", cols, "]");
+}
+
+torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& scales, const torch::Tensor& mins,
+                           const torch::Tensor& d, const torch::Tensor& dmin) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
+              "q4k codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
+  check_k(x, codes, K);
+  check_part(scales, "q4k scales", torch::kUInt8, N, K / QK);
+  check_part(mins, "q4k mins", torch::kUInt8, N, K / QK);
+  check_part(d, "q4k d", torch::kHalf, N, K / 256);
+  check_part(dmin, "q4k dmin", torch::kHalf, N, K / 256);
+  auto y = torch::empty({B, N}, x.options());
+  if (B == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  const QuantizedRows xr(x, true);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* sc = scales.data_ptr<uint8_t>();
+  const uint8_t* mn = mins.data_ptr<uint8_t>();
+  const at::Half* pd = d.data_ptr<at::Half>();
+  const at::Half* pm = dmin.data_ptr<at::Half>();
+  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
+    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb};
+    FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, gs, xr.q.data() + b0 * K,
+                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
+                                            acc)));
+  });
+  return y;
+}
+
+torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& scales, const torch::Tensor& d) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8,
+              "q6k codes must be int8 [N, K]");
+  const int64_t N = codes.size(0), K = codes.size(1), B = x.size(0);
+  check_k(x, codes, K);
+  check_part(scales, "q6k scales", torch::kInt8, N, K / 16);
+  check_part(d, "q6k d", torch::kHalf, N, K / 256);
+  auto y = torch::empty({B, N}, x.options());
+  if (B == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  const QuantizedRows xr(x, false);
+  const int8_t* c = codes.data_ptr<int8_t>();
+  const int8_t* sc = scales.data_ptr<int8_t>();
+  const at::Half* pd = d.data_ptr<at::Half>();
+  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
+    FLARE_DISPATCH_GTILE(rows, (q6k_group<R>(c + g * nb * 256, sc + g * nb * 16, pd + g * nb,
+                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
+                                             acc)));
   });
   return y;
 }
@@ -292,6 +454,14 @@ void flare_register_qdot8(pybind11::module_& m) {
   m.def("q8x8_linear", &q8x8_linear,
         "y[B, N] = x[B, K] @ dequant_q8(W)^T with x quantized to int8 blocks, float32",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"));
+  m.def("q4kx8_linear", &q4kx8_linear,
+        "y[B, N] = x[B, K] @ dequant_q4_k(W)^T with x quantized to int8 blocks, float32",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("mins"), pybind11::arg("d"), pybind11::arg("dmin"));
+  m.def("q6kx8_linear", &q6kx8_linear,
+        "y[B, N] = x[B, K] @ dequant_q6_k(W)^T with x quantized to int8 blocks, float32",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("d"));
   m.def("quantize_rows_q8", &quantize_rows_q8,
         "(codes int8 [B, K], scales float32 [B, K/32]): x's rows in Q8_0 blocks",
         pybind11::arg("x"));

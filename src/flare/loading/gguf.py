@@ -23,7 +23,7 @@ from flare.loading.gguf_hybrid import (HYBRID_ARCHITECTURES, hybrid_blocks, hybr
                                        hybrid_tensors)
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
-from flare.models.quant import GGUF_BLOCK_BYTES, GGUFBlocks
+from flare.models.quant import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES, GGUFBlocks
 from flare.models.recipe import recipe_for
 from flare.progress import progress_bar
 
@@ -242,7 +242,8 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
 def gguf_blocks(reader: GGUFReader, config: ModelConfig,
                 where: str = "GGUF") -> dict[str, GGUFBlocks]:
     """Each 2-D weight's GGUF type, with the file's own block bytes for the types the
-    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0).
+    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0, Q5_0, Q4_K,
+    Q6_K).
 
     The bytes are uint8 [rows, bytes per row] views of the file map (no copy), except for
     a llama q_proj / k_proj, whose rows get the loader's un-permutation (`unpermute_qk`
@@ -268,8 +269,9 @@ def gguf_blocks(reader: GGUFReader, config: ModelConfig,
             out[name] = GGUFBlocks(kind, None)
             continue
         rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists the fastest axis first
-        per_row = cols // 32 * GGUF_BLOCK_BYTES[kind]
-        if cols % 32 or t.data.dtype != np.uint8 or t.data.size != rows * per_row:
+        per_row = cols // GGUF_BLOCK_VALUES[kind] * GGUF_BLOCK_BYTES[kind]
+        if (cols % GGUF_BLOCK_VALUES[kind] or t.data.dtype != np.uint8
+                or t.data.size != rows * per_row):
             raise ValueError(f"{where}: tensor {t.name!r} ({kind}) has {t.data.size} bytes "
                              f"of blocks, expected {rows} rows of {per_row}")
         with warnings.catch_warnings():  # a read-only view of the file map, never written

@@ -132,8 +132,22 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   which gives back a reference-quantized Q8_0 file's codes and float16 scales exactly.
   Decode reads 1.06 bytes per weight against `fp16`'s 2.
 
-GGUF types no format holds as stored (K-quants Q4_K / Q5_K / Q6_K, Q5_0 / Q5_1, F16
-layers) are dequantized and served as `fp16` by default; asked for, `q4x8` / `q8x8`
+- `kx8`: a GGUF's blocks as the file stores them, whatever mix of Q4_K, Q6_K, Q5_0, Q8_0,
+  Q4_0 and Q4_1 it holds (llama.cpp's Q4_K_M, Q6_K, and the Q5_0 / Q8_0 its quantizer
+  falls back to where an input axis is not a multiple of 256), on the int8-activation
+  kernels with `q4x8`'s row invariance: Q4_K as `Q4Kx8Weight` (`q4x8`'s codes and kernel,
+  each block's scale d * sc and min -(dmin * m) computed from the 6-bit sc, m and the
+  float16 d, dmin: exact float32 products, so the arithmetic is Q4_1's with float32
+  scales, 4.625 bits a weight against the file's 4.5), Q6_K as `Q6Kx8Weight` (codes
+  q - 32 one byte each, integer sums per 16 values times their int8 scale in int32, then
+  d * dx; 8.5625 bits against 6.5625), Q5_0 as `Q8x8Weight` (codes q - 16, scale d;
+  8.5 bits against 5.5), the rest as `q8x8` / `q4x8` hold them. A fused q/k/v or
+  gate/up of two kinds is a `StackedWeight`: one kernel call a kind, the outputs
+  concatenated. Every served value equals `gguf.quants.dequantize` of the file bit for
+  bit (tests/unit/test_kquant.py). The default for such files (`native_format`).
+
+GGUF types no format holds as stored (Q5_K, Q5_1, Q2_K, Q3_K, i-quants, F16 layers) are
+dequantized and served as `fp16` by default; asked for, `q4x8` / `q8x8` / `kx8`
 re-quantize them from the dequantized floats (not the file's values).
 """
 
@@ -148,15 +162,18 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-WEIGHT_FORMATS = ("full", "fp16", "q4", "q4x8", "q8x8")
+WEIGHT_FORMATS = ("full", "fp16", "q4", "q4x8", "q8x8", "kx8")
 # the formats whose weights are int8-activation blocks (`Q4x8Weight`, `Q8x8Weight`)
-INT8_FORMATS = ("q4x8", "q8x8")
+INT8_FORMATS = ("q4x8", "q8x8", "kx8")
 QBLOCK = 32  # values per block of `q4` / `q8` weights, along the input axis
 Q4_SUFFIXES = (".q4_codes", ".q4_scales", ".q4_mins")  # uint8 [N, K/2], f32 [N, K/32] x 2
 Q8_SUFFIXES = (".q8_codes", ".q8_scales")  # int8 [N, K], float32 [N, K/32]
 # format `q4x8`: the same parts in the 8-row interleaved layout (`Q4x8Weight`, `Q8x8Weight`)
 Q4X8_SUFFIXES = (".q4x8_codes", ".q4x8_scales", ".q4x8_mins")
 Q8X8_SUFFIXES = (".q8x8_codes", ".q8x8_scales")
+# format `kx8`: a GGUF's Q4_K and Q6_K weights as stored (`Q4Kx8Weight`, `Q6Kx8Weight`)
+Q4KX8_SUFFIXES = (".q4kx8_codes", ".q4kx8_scales", ".q4kx8_mins", ".q4kx8_d", ".q4kx8_dmin")
+Q6KX8_SUFFIXES = (".q6kx8_codes", ".q6kx8_scales", ".q6kx8_d")
 # the weights `q4` stores Q8_0-style (embedding lookups need them row by row)
 Q8_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 # Calls with at most this many rows run in the q4 kernel; larger ones dequantize the
@@ -198,7 +215,7 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
-    if fmt in ("fp16", "q4", "q4x8", "q8x8"):
+    if fmt in ("fp16", "q4") + INT8_FORMATS:
         kernel = f"Flare's {fmt} kernel"
         why = []
         if dtype != "float32":
@@ -210,7 +227,7 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
         if why:
             raise ValueError(f"weight format {fmt!r} does not apply to " + ", ".join(why)
                              + "; use --weights full")
-    if fmt in ("q4", "q4x8", "q8x8"):
+    if fmt in ("q4",) + INT8_FORMATS:
         from flare.kernels import qgemm_problem
 
         problem = qgemm_problem()  # builds the kernel once (about a minute), then cached
@@ -230,9 +247,16 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
 # - either format's token embedding and output layer ("other"): Q8_0 kept as Q8_0, Q4_0
 #   and Q4_1 as `Q4x8Weight`, F16 / BF16 / F32 as float16 where every value converts
 #   exactly, else in the serving dtype (run by the dense kernels).
+# - `q8x8` also takes Q5_0 blocks when asked for (codes q - 16, scale d: exact).
+# - `kx8` (any mix of these, layers and embedding / output layer alike): Q4_K as
+#   `Q4Kx8Weight`, Q6_K as `Q6Kx8Weight`, Q5_0 and Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as
+#   `Q4x8Weight`; weights of two kinds in one fused
+#   projection (a Q4_K_M file's q/k Q4_K beside a Q6_K v) run as `StackedWeight`.
 Q4X8_NATIVE_LAYER_TYPES = frozenset({"Q4_0", "Q4_1"})
 Q8X8_NATIVE_LAYER_TYPES = frozenset({"Q8_0", "Q4_0"})
 NATIVE_OTHER_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"})
+KX8_NATIVE_LAYER_TYPES = frozenset({"Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_0", "Q4_1"})
+KX8_NATIVE_OTHER_TYPES = NATIVE_OTHER_TYPES | {"Q4_K", "Q6_K", "Q5_0"}
 Q4X8_NATIVE_OTHER_TYPES = NATIVE_OTHER_TYPES  # kept for callers of the older name
 
 
@@ -241,20 +265,25 @@ def native_format(source: Mapping | None) -> str | None:
 
     `source["weight_types"]` ({"layers": [...], "other": [...]}, GGUF type names, written
     by the GGUF loader) decides: `q4x8` for a GGUF whose layer weights are all Q4_1 or
-    Q4_0, `q8x8` for one whose layers are Q8_0 (Q4_0 beside them allowed), in both cases
-    with the embedding / output layer among `NATIVE_OTHER_TYPES`. Anything else (a
-    safetensors folder, F16 or K-quant layers, a Q4_1 + Q8_0 mix of layers, which would
-    not fuse into one q/k/v weight): None."""
+    Q4_0, `q8x8` for one whose layers are Q8_0 / Q5_0 (Q4_0 beside them allowed), in
+    both cases with the embedding / output layer among `NATIVE_OTHER_TYPES`; else `kx8`
+    where every layer type is in `KX8_NATIVE_LAYER_TYPES` and every other one in
+    `KX8_NATIVE_OTHER_TYPES` (K-quant files such as Q4_K_M and Q6_K, and mixes the two
+    formats above do not fuse). Anything else (a safetensors folder, F16, Q5_1, Q5_K or
+    other layer types): None."""
     if not source or source.get("format") != "gguf":
         return None
     types = source.get("weight_types") or {}
     layers, other = set(types.get("layers", ())), set(types.get("other", ()))
-    if not layers or not other <= NATIVE_OTHER_TYPES:
+    if not layers:
         return None
-    if layers <= Q4X8_NATIVE_LAYER_TYPES:
-        return "q4x8"
-    if layers <= Q8X8_NATIVE_LAYER_TYPES:
-        return "q8x8"
+    if other <= NATIVE_OTHER_TYPES:
+        if layers <= Q4X8_NATIVE_LAYER_TYPES:
+            return "q4x8"
+        if layers <= Q8X8_NATIVE_LAYER_TYPES:
+            return "q8x8"
+    if layers <= KX8_NATIVE_LAYER_TYPES and other <= KX8_NATIVE_OTHER_TYPES:
+        return "kx8"
     return None
 
 
@@ -275,7 +304,8 @@ def default_weight_format(*, dtype: str, device: str, recipe: str,
     """The fastest exact format for a model (docs/preparation-contract.md, "Exactness").
 
     - `q4x8` for a GGUF of Q4_1 or Q4_0 layers (the embedded model is Q4_1), `q8x8` for
-      one of Q8_0 layers (`native_format(source)`), where the format applies (CPU,
+      one of Q8_0 / Q5_0 layers, `kx8` for K-quant files (Q4_K_M, Q6_K, ...) and other
+      mixes of those types (`native_format(source)`), where the format applies (CPU,
       float32, recipe `llama`) and Flare's kernel builds: the file's own blocks, the
       fastest decode and prefill measured;
     - else `fp16` where it applies: half the bytes of `full` per decoded token, run by
@@ -567,7 +597,172 @@ class Q8x8Weight:
         return self.unpack().dequantize()
 
 
-QuantizedWeight = Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight
+def _pick_rows(t: torch.Tensor, rows: torch.Tensor, bytes_per_chunk: int) -> torch.Tensor:
+    """Rows `rows` (int64 [T]) of a part in the group layout, un-interleaved: [T, C]."""
+    n, c = t.shape
+    picked = t.view(n // 8, c // bytes_per_chunk, 8, bytes_per_chunk)[rows // 8, :, rows % 8]
+    return picked.reshape(rows.shape[0], c)
+
+
+def q4_k_values(codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+                dmin: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q4_K parts in row order (`q4_k_from_gguf`'s shapes):
+    (d * sc) * q - dmin * m per sub-block of 32, the products d * sc and dmin * m exact in
+    float32, then gguf's two roundings (the product with q, the difference)."""
+    n = codes.shape[0]
+    c = codes.view(n, -1, QBLOCK // 2)
+    q = torch.cat([c & 0xF, c >> 4], dim=-1).float()  # [N, K/32, 32]
+    scale = d.float().repeat_interleave(8, dim=1) * sc.float()  # [N, K/32]
+    low = dmin.float().repeat_interleave(8, dim=1) * m.float()
+    return (q * scale.unsqueeze(-1) - low.unsqueeze(-1)).view(n, -1)
+
+
+def q6_k_values(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of Q6_K parts in row order (`q6_k_from_gguf`'s shapes):
+    (d * sc) * code per 16 values, d * sc exact in float32, one rounding after."""
+    n = codes.shape[0]
+    scale = d.float().repeat_interleave(16, dim=1) * sc.float()  # [N, K/16]
+    return (codes.view(n, -1, 16).float() * scale.unsqueeze(-1)).view(n, -1)
+
+
+@dataclass(frozen=True)
+class Q4Kx8Weight:
+    """A GGUF Q4_K weight [N, K] (K a multiple of 256) as stored, in the 8-row interleaved
+    layout, run with int8 activations (`q4kx8_linear`, kernels/qdot8.cpp: `q4x8`'s
+    kernel, each block's scale d * sc and min -(dmin * m) computed exactly in float32).
+
+    Attributes:
+        codes: uint8 [N, K/2], `Q4x8Weight`'s codes layout (per block of 32, byte j holds
+            elements j and j + 16).
+        scales, mins: uint8 [N, K/32], the 6-bit sub-block sc and m (group layout, one
+            byte a chunk).
+        d, dmin: float16 [N, K/256], the super-blocks' d and dmin (group layout).
+
+    Value: (d * sc) * code - dmin * m, equal to gguf's dequantization bit for bit.
+    Indexing with row ids (int64 [T]) returns those rows dequantized, float32 [T, K].
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor,
+           dmin: torch.Tensor, name: str = "weight") -> "Q4Kx8Weight":
+        """From row-order parts (`q4_k_from_gguf`). Raises ValueError: N is not a multiple
+        of 8 (naming `name`)."""
+        _check_groups(codes.shape[0], name)
+        return cls(_interleave(codes.contiguous(), 4), _interleave(sc.contiguous(), 1),
+                   _interleave(m.contiguous(), 1), _interleave(d.contiguous(), 1),
+                   _interleave(dmin.contiguous(), 1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts())
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """(codes, scales, mins, d, dmin), in `Q4KX8_SUFFIXES` order."""
+        return self.codes, self.scales, self.mins, self.d, self.dmin
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return q4_k_values(_pick_rows(self.codes, rows, 4), _pick_rows(self.scales, rows, 1),
+                           _pick_rows(self.mins, rows, 1), _pick_rows(self.d, rows, 1),
+                           _pick_rows(self.dmin, rows, 1))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        return q4_k_values(_deinterleave(self.codes, 4), _deinterleave(self.scales, 1),
+                           _deinterleave(self.mins, 1), _deinterleave(self.d, 1),
+                           _deinterleave(self.dmin, 1))
+
+
+@dataclass(frozen=True)
+class Q6Kx8Weight:
+    """A GGUF Q6_K weight [N, K] (K a multiple of 256) as stored, in the 8-row interleaved
+    layout, run with int8 activations (`q6kx8_linear`, kernels/qdot8.cpp).
+
+    Attributes:
+        codes: int8 [N, K], q - 32 in -32..31, `Q8x8Weight`'s codes layout (one byte a
+            value: 8 bits held for Q6_K's 6, so the kernel reads them with one load).
+        scales: int8 [N, K/16], the sub-block scales (group layout).
+        d: float16 [N, K/256], the super-blocks' d (group layout).
+
+    Value: (d * sc) * code, equal to gguf's dequantization bit for bit. Indexing with row
+    ids (int64 [T]) returns those rows dequantized, float32 [T, K].
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    d: torch.Tensor
+
+    @classmethod
+    def of(cls, codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+           name: str = "weight") -> "Q6Kx8Weight":
+        """From row-order parts (`q6_k_from_gguf`). Raises ValueError: N is not a multiple
+        of 8 (naming `name`)."""
+        _check_groups(codes.shape[0], name)
+        return cls(_interleave(codes.contiguous(), 4), _interleave(sc.contiguous(), 1),
+                   _interleave(d.contiguous(), 1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts())
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """(codes, scales, d), in `Q6KX8_SUFFIXES` order."""
+        return self.codes, self.scales, self.d
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return q6_k_values(_pick_rows(self.codes, rows, 4), _pick_rows(self.scales, rows, 1),
+                           _pick_rows(self.d, rows, 1))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        return q6_k_values(_deinterleave(self.codes, 4), _deinterleave(self.scales, 1),
+                           _deinterleave(self.d, 1))
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """Weights [N_i, K] of different kinds stacked along the output axis (a fused q/k/v
+    whose parts a GGUF stores in two types, as Q4_K_M files do): `Linear` runs each part
+    in its own kernel and concatenates the outputs, so each output row is what the part
+    alone gives (row invariance kept).
+
+    Attributes:
+        parts_: the weights, in output order (adjacent ones of one kind already fused).
+    """
+
+    parts_: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts_), self.parts_[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts_)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        return torch.cat([p.dequantize() if hasattr(p, "dequantize") else p.float()
+                          for p in self.parts_])
+
+
+QuantizedWeight = Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight | Q4Kx8Weight | Q6Kx8Weight
+_BLOCK_KINDS = (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight, Q4Kx8Weight, Q6Kx8Weight)
+# the kinds a `StackedWeight` may hold (the int8-activation ones)
+_INT8_KINDS = _BLOCK_KINDS[2:]
 
 
 # ---- a GGUF's own blocks -----------------------------------------------------------------
@@ -576,9 +771,18 @@ QuantizedWeight = Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight
 #   Q4_0: d, 16 bytes of codes          value = d * (q - 8)
 #   Q4_1: d, m, 16 bytes of codes       value = d * q + m
 #   Q8_0: d, 32 int8 codes              value = d * q
+#   Q5_0: d, 4 bytes qh, 16 bytes qs   value = d * (q - 16), q = nibble | bit j of qh << 4
+# and the K-quants' super-blocks of 256 (gguf.quants documents the layouts):
+#   Q4_K: d, dmin, 12 bytes of 6-bit sub-block scales sc and mins m (8 of each), 128 bytes
+#         of codes (4 runs of 32 bytes: low nibbles sub-block 2r, high ones 2r + 1);
+#         value = (d * sc) * q - dmin * m
+#   Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales (one per 16
+#         values), d;  value = (d * sc) * (q - 32)
 # where code byte j holds element j in its low nibble and element j + 16 in its high one:
 # the byte order of `Q4Weight.codes`, so the codes are copied as they are.
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+GGUF_BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K": 256,
+                     "Q6_K": 256}  # values per block along K
 GGUF_FLOAT_TYPES = frozenset({"F16", "BF16", "F32"})
 
 
@@ -589,7 +793,8 @@ class GGUFBlocks:
     Attributes:
         kind: the GGUF type name ("Q4_0", "Q8_0", "F16", "Q6_K", ...).
         data: for the types of `GGUF_BLOCK_BYTES`, the file's block bytes, uint8
-            [rows, K / 32 * block bytes], rows in Hugging Face order; else None.
+            [rows, K / block values * block bytes] (`GGUF_BLOCK_VALUES`), rows in
+            Hugging Face order; else None.
     """
 
     kind: str
@@ -597,7 +802,7 @@ class GGUFBlocks:
 
 
 def _block_fields(b: GGUFBlocks) -> torch.Tensor:
-    """The blocks as uint8 [N, K/32, block bytes]."""
+    """The blocks as uint8 [N, K / block values, block bytes]."""
     size = GGUF_BLOCK_BYTES[b.kind]
     return b.data.reshape(b.data.shape[0], -1, size)
 
@@ -650,6 +855,83 @@ def q8_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, tor
     return q.reshape(n, -1), d
 
 
+def q5_0_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [N, K] = q - 16 in -16..15, scales float16 [N, K/32]) of a Q5_0 weight:
+    the file's d and codes, so value = d * code exactly as gguf dequantizes it.
+
+    Raises:
+        ValueError: another type (naming `name`).
+    """
+    if b.kind != "Q5_0":
+        raise ValueError(f"weight {name!r} is {b.kind}, not Q5_0")
+    blocks = _block_fields(b)
+    n = blocks.shape[0]
+    d = _fp16_field(blocks, 0)
+    qh = blocks[..., 2:6].to(torch.int64)  # little-endian: bit j of the 32 is element j
+    bits = torch.arange(32)
+    high = (qh[..., bits // 8] >> (bits % 8)) & 1  # [N, nb, 32]
+    c = blocks[..., 6:]
+    low = torch.cat([c & 0xF, c >> 4], dim=-1).to(torch.int64)
+    q = (low | (high << 4)) - 16
+    return q.to(torch.int8).reshape(n, -1), d
+
+
+def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of Q4_K's 12 packed bytes: uint8 [..., 12] ->
+    (sc, m) uint8 [..., 8]. Bytes 0-3 hold sc 0-3 (low 6 bits) and the top bits of sc 4-7,
+    bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of sc 4-7 (low nibble) and
+    of m 4-7 (high nibble)."""
+    ds, ms, both = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([ds & 0x3F, (both & 0x0F) | ((ds >> 2) & 0x30)], dim=-1)
+    m = torch.cat([ms & 0x3F, (both >> 4) | ((ms >> 2) & 0x30)], dim=-1)
+    return sc, m
+
+
+def q4_k_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
+    """(codes uint8 [N, K/2] in `Q4Weight`'s byte order, sc uint8 [N, K/32], m uint8
+    [N, K/32], d float16 [N, K/256], dmin float16 [N, K/256]) of a Q4_K weight, the file's
+    own values: value = (d * sc) * code - dmin * m, as gguf dequantizes it.
+
+    Raises:
+        ValueError: another type (naming `name`).
+    """
+    if b.kind != "Q4_K":
+        raise ValueError(f"weight {name!r} is {b.kind}, not Q4_K")
+    blocks = _block_fields(b)
+    n, ns, _ = blocks.shape
+    d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+    sc, m = _q4_k_scales(blocks[..., 4:16])
+    runs = blocks[..., 16:].reshape(n, ns, 4, 32)
+    q = torch.stack([runs & 0xF, runs >> 4], dim=3).reshape(n, ns * 8, 32)  # sub-blocks
+    codes = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j low, j + 16 high
+    return (codes.reshape(n, -1).contiguous(), sc.reshape(n, -1).contiguous(),
+            m.reshape(n, -1).contiguous(), d, dmin)
+
+
+def q6_k_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
+    """(codes int8 [N, K] = q - 32 in -32..31, scales int8 [N, K/16], d float16
+    [N, K/256]) of a Q6_K weight, the file's own values: value = (d * sc) * code, as gguf
+    dequantizes it.
+
+    Raises:
+        ValueError: another type (naming `name`).
+    """
+    if b.kind != "Q6_K":
+        raise ValueError(f"weight {name!r} is {b.kind}, not Q6_K")
+    blocks = _block_fields(b)
+    n, ns, _ = blocks.shape
+    # each half of 128 values: 64 bytes of low nibbles (values 0-63 low, 64-127 high)
+    # and 32 bytes of 2-bit pairs (bits 2s..2s+1 of byte j: value 32 s + j)
+    ql = blocks[..., 0:128].reshape(n, ns, 2, 1, 64)
+    low = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(n, ns, 2, 4, 32)
+    qh = blocks[..., 128:192].reshape(n, ns, 2, 1, 32)
+    high = (qh >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).to(torch.int8) - 32  # [N, ns, 2, 4, 32] = 256 values in order
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
+    d = blocks[..., 208:210].contiguous().view(torch.float16).view(n, ns)
+    return q.reshape(n, -1).contiguous(), scales, d
+
+
 def _q4x8_of(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
              name: str) -> Q4x8Weight:
     _check_groups(codes.shape[0], name)
@@ -663,18 +945,28 @@ def _q8x8_of(codes: torch.Tensor, scales: torch.Tensor, name: str) -> Q8x8Weight
 
 
 def native_weight(name: str, b: GGUFBlocks, fmt: str, value: torch.Tensor
-                  ) -> Q4x8Weight | Q8x8Weight | torch.Tensor | None:
-    """A 2-D weight of format `fmt` (`q4x8` or `q8x8`) built from the file's own blocks
-    or values, or None where `fmt` cannot hold them exactly (the caller re-quantizes).
+                  ) -> QuantizedWeight | torch.Tensor | None:
+    """A 2-D weight of format `fmt` (`q4x8`, `q8x8` or `kx8`) built from the file's own
+    blocks or values, or None where `fmt` cannot hold them exactly (the caller
+    re-quantizes).
 
-    Layers: `q4x8` takes Q4_1 and Q4_0 blocks (`q4_from_gguf`), `q8x8` Q8_0 and Q4_0
-    (`q8_from_gguf`). The token embedding and output layer (`Q8_NAMES`), in either
-    format: Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`, F16 / BF16 / F32 as the
-    float tensor `value` (float16 where every value converts exactly, else as given).
+    Layers: `q4x8` takes Q4_1 and Q4_0 blocks (`q4_from_gguf`), `q8x8` Q8_0, Q5_0 and Q4_0
+    (`q8_from_gguf`, `q5_0_from_gguf`). The token embedding and output layer
+    (`Q8_NAMES`), in any of them: Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`, F16 /
+    BF16 / F32 as the float tensor `value` (float16 where every value converts exactly,
+    else as given). `kx8`, layers and the rest alike: Q4_K as `Q4Kx8Weight`, Q6_K as
+    `Q6Kx8Weight`, Q5_0 and Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`.
     """
-    other = name in Q8_NAMES
+    other = name in Q8_NAMES or fmt == "kx8"  # kx8 holds every listed type anywhere
+    if b.data is not None and fmt == "kx8":
+        if b.kind == "Q4_K":
+            return Q4Kx8Weight.of(*q4_k_from_gguf(b, name), name=name)
+        if b.kind == "Q6_K":
+            return Q6Kx8Weight.of(*q6_k_from_gguf(b, name), name=name)
+    if b.data is not None and b.kind == "Q5_0" and (other or fmt == "q8x8"):
+        return _q8x8_of(*q5_0_from_gguf(b, name), name)
     if b.kind in GGUF_FLOAT_TYPES:
-        if not other:
+        if name not in Q8_NAMES:
             return None
         half = value.half()
         return half if torch.equal(half.to(value.dtype), value) else value
@@ -688,7 +980,11 @@ def native_weight(name: str, b: GGUFBlocks, fmt: str, value: torch.Tensor
         return _q4x8_of(*q4_from_gguf(b, name), name)
     return None
 _SUFFIXES = ((Q4_SUFFIXES, Q4Weight), (Q8_SUFFIXES, Q8Weight), (Q4X8_SUFFIXES, Q4x8Weight),
-             (Q8X8_SUFFIXES, Q8x8Weight))
+             (Q8X8_SUFFIXES, Q8x8Weight), (Q4KX8_SUFFIXES, Q4Kx8Weight),
+             (Q6KX8_SUFFIXES, Q6Kx8Weight))
+
+
+_KX8_SUFFIXES = {Q4Kx8Weight: Q4KX8_SUFFIXES, Q6Kx8Weight: Q6KX8_SUFFIXES}
 
 
 def weight_getter(tensors: Mapping[str, torch.Tensor]
@@ -718,16 +1014,29 @@ def cat_weights(weights: list[torch.Tensor | QuantizedWeight]
                 ) -> torch.Tensor | QuantizedWeight:
     """Weights [N_i, K] of one kind stacked along the output axis (fused q/k/v, gate/up).
 
+    Weights of several int8-activation kinds (`Q4x8Weight`, `Q8x8Weight`, `Q4Kx8Weight`,
+    `Q6Kx8Weight`: a GGUF that stores q/k and v in two types) give a `StackedWeight` of
+    the runs of one kind, each fused.
+
     Raises:
-        ValueError: the weights mix kinds (tensor, q4, q8, q4x8, q8x8).
+        ValueError: the weights mix kinds otherwise (tensor, q4, q8 or an int8 kind).
     """
     if len(weights) == 1:
         return weights[0]
     kinds = {type(w) for w in weights}
     if len(kinds) != 1:
-        raise ValueError(f"cannot fuse weights stored as {sorted(k.__name__ for k in kinds)}")
+        if not all(k in _INT8_KINDS for k in kinds):
+            raise ValueError(f"cannot fuse weights stored as "
+                             f"{sorted(k.__name__ for k in kinds)}")
+        runs: list[list] = []
+        for w in weights:
+            if runs and type(runs[-1][0]) is type(w):
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        return StackedWeight(tuple(cat_weights(r) for r in runs))
     kind = kinds.pop()
-    if kind in (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight):  # groups stack as rows
+    if kind in _BLOCK_KINDS:  # groups stack as rows
         return kind(*(torch.cat(p) for p in zip(*(w.parts() for w in weights))))
     return torch.cat(weights)
 
@@ -740,9 +1049,12 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str,
     the `Q8_NAMES`), stored as `name` + `Q4_SUFFIXES` / `Q8_SUFFIXES`; `q4x8` stores the
     same blocks in the 8-row interleaved layout (`Q4x8Weight.pack`, `Q8x8Weight.pack`)
     under `Q4X8_SUFFIXES` / `Q8X8_SUFFIXES`; `q8x8` stores every 2-D weight as
-    `Q8x8Weight` (`quantize_q8`). 1-D tensors (norms, biases) are kept as they are.
+    `Q8x8Weight` (`quantize_q8`); `kx8` stores a GGUF's blocks as they are (`Q4Kx8Weight`
+    under `Q4KX8_SUFFIXES`, `Q6Kx8Weight` under `Q6KX8_SUFFIXES`, the others as `q8x8` /
+    `q4x8` store them) and re-quantizes any other weight as `q8x8` does. 1-D tensors
+    (norms, biases) are kept as they are.
 
-    `blocks` (a GGUF checkpoint's `Checkpoint.blocks`): for `q4x8` and `q8x8`, each weight
+    `blocks` (a GGUF checkpoint's `Checkpoint.blocks`): for `q4x8`, `q8x8` and `kx8`, each weight
     the format can hold as the file stores it is built from the file's own blocks or
     values (`native_weight`: exact, never re-quantized); the rest is re-quantized from
     `tensors` as above.
@@ -756,7 +1068,7 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str,
         raise ValueError(f"unknown weight format {fmt!r}; known: {list(WEIGHT_FORMATS)}")
     if fmt == "full":
         return dict(tensors)
-    if fmt in ("q4", "q4x8", "q8x8"):
+    if fmt in ("q4",) + INT8_FORMATS:
         blocks = blocks or {}
         out: dict[str, torch.Tensor] = {}
         for k, v in tensors.items():
@@ -773,12 +1085,14 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str,
                 if isinstance(w, torch.Tensor):  # a float embedding / output layer
                     out[k] = w
                     continue
-            q8 = k in Q8_NAMES or fmt == "q8x8"
+            q8 = k in Q8_NAMES or fmt in ("q8x8", "kx8")
             if w is None:
                 w = (quantize_q8 if q8 else quantize_q4)(v, k)
                 if fmt in INT8_FORMATS:
                     w = (Q8x8Weight if q8 else Q4x8Weight).pack(w, k)
-            if isinstance(w, Q4x8Weight):
+            if isinstance(w, (Q4Kx8Weight, Q6Kx8Weight)):
+                suffixes = _KX8_SUFFIXES[type(w)]
+            elif isinstance(w, Q4x8Weight):
                 suffixes = Q4X8_SUFFIXES
             elif isinstance(w, Q8x8Weight):
                 suffixes = Q8X8_SUFFIXES
@@ -918,7 +1232,8 @@ class Linear:
 
     Args:
         weight: [out, in], in `dtype`, or float16 with `dtype` float32, or a quantized
-            weight (`Q4Weight`, `Q8Weight`, `Q4x8Weight`, `Q8x8Weight`) with `dtype`
+            weight (`Q4Weight`, `Q8Weight`, `Q4x8Weight`, `Q8x8Weight`, `Q4Kx8Weight`,
+            `Q6Kx8Weight`, or a `StackedWeight` of them, one kernel a part) with `dtype`
             float32 on CPU (Flare's kernels; where they cannot be had, dequantized to
             float32 at load with a warning). A float16 or float32 weight under float32
             on CPU is packed into panels for Flare's row-invariant dense kernels
@@ -939,8 +1254,14 @@ class Linear:
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = self.qweight = self.panels = None
-        if isinstance(weight, (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight)):
+        self.packed = self.qweight = self.panels = self.stacked = None
+        if isinstance(weight, StackedWeight):  # one Linear a kind, outputs concatenated
+            self.stacked = [Linear(p, None, dtype) for p in weight.parts_]
+            self.weight, self.bias = weight, bias
+            self.nbytes = (sum(s.nbytes for s in self.stacked)
+                           + (bias.nbytes if bias is not None else 0))
+            return
+        if isinstance(weight, _BLOCK_KINDS):
             if dtype != torch.float32 or weight.codes.device.type != "cpu":
                 raise ValueError(f"q4/q8 weights serve float32 activations on CPU, not "
                                  f"{dtype} on {weight.codes.device}")
@@ -993,6 +1314,11 @@ class Linear:
             y = k.q4x8_linear(x, w.codes, w.scales, w.mins)
         elif isinstance(w, Q8x8Weight):
             y = k.q8x8_linear(x, w.codes, w.scales)
+        elif isinstance(w, Q4Kx8Weight):
+            y = k.q4kx8_linear(x, w.codes, w.scales, w.mins, w.d, w.dmin)
+        elif isinstance(w, Q6Kx8Weight):
+            y = k.q6kx8_linear(x, w.codes, w.scales, w.d)
+
         elif isinstance(w, Q4Weight):
             if x.shape[0] <= Q_KERNEL_MAX_ROWS:
                 y = k.q4_linear(x, w.codes, w.scales, w.mins)
@@ -1017,4 +1343,7 @@ class Linear:
             return self._gemm(x, self.packed)
         if self.qweight is not None:
             return self._quantized(x)
+        if self.stacked is not None:
+            y = torch.cat([s(x) for s in self.stacked], dim=1)
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -37,7 +37,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 # 6: a GGUF's own blocks: weight format `q8x8` (every 2-D weight Q8_0 in the interleaved
 #    layout), Q4_0 layers kept as `q4x8` blocks, and a `q4x8`/`q8x8` token embedding that
 #    is a `Q4x8Weight` (read by a lookup older runtimes lack) or float16/float32.
-EXECUTION_ABI: int = 6
+# 7: weight format `kx8`: a GGUF's Q4_K and Q6_K blocks as stored under their own
+#    suffixes (`.q4kx8_*`, `.q6kx8_*`), run by new int8-activation kernels (qdot8.cpp),
+#    Q5_0 as q8x8 blocks, q/k/v of two kinds stacked; the default for K-quant files,
+#    which older runtimes served as `fp16`.
+EXECUTION_ABI: int = 7
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.
@@ -83,7 +87,7 @@ class Manifest(BaseModel):
         plan: `CapacityPlan.to_dict()`.
         memory: `MemoryReport.to_dict()` (bytes).
         tuning: choices made at prepare time (threads, batch token budget, weight format
-            "weights": "full", "fp16", "q4", "q4x8" or "q8x8" (`flare.models.quant`),
+            "weights": "full", "fp16", "q4", "q4x8", "q8x8" or "kx8" (`flare.models.quant`),
             ...).
         graph_capture: what serve captures at start-up; {"enabled": False, "reason": ...}
             when nothing (CPU, hybrid recipes), else {"enabled": True, "batch_sizes",

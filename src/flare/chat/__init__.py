@@ -1,0 +1,11 @@
+"""`flare chat`: an interactive terminal chat with a Flare server.
+
+- `client`: HTTP/SSE client of the chat and session routes (httpx).
+- `store`: the conversations' messages, one JSON file each, named like their session.
+- `launcher`: a `flare serve` child for `flare chat PKG` / `--embedded`.
+- `repl`: the prompt (prompt_toolkit), streamed Markdown (rich), the slash commands.
+- `cli`: the subcommand's options (`flare.cli` only registers it).
+
+Imports nothing from the server or the engine (only the session-name rule of
+`flare.state.sessions`): it talks HTTP.
+"""

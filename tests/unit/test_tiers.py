@@ -354,3 +354,32 @@ def test_hybrid_session_chain_survives_a_restart_with_a_retokenized_reply(
         "t2", turn2, greedy(6))])["t2"], "restarted")
     restarted.check_integrity()
     restarted.stop()
+
+
+def test_a_damaged_index_is_rebuilt_at_restart_and_the_restore_equals_recompute(
+        tiny, cold, tmp_path):
+    """Issue 23: a damaged SQLite index used to stop the server from starting ("database
+    disk image is malformed"). Now the restart moves it aside, rebuilds it from the
+    verified records, and the next restore equals recompute."""
+    engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
+    _, turn2 = two_turns(engine, seed=61)
+    engine.offload()
+    engine.tiers.flush()
+    engine.stop()
+    index = tmp_path / "index.sqlite"
+    data = bytearray(index.read_bytes())
+    data[100:] = bytes((b * 31 + 7) & 0xFF for b in data[100:])  # every b-tree page
+    index.write_bytes(bytes(data))
+    for extra in ("index.sqlite-wal", "index.sqlite-shm"):
+        (tmp_path / extra).unlink(missing_ok=True)
+
+    restarted = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
+    stats = restarted.stats()
+    assert stats["disk_tier_index_rebuilds_total"] == 1 and stats["disk_tier_records"] == 3
+    got, last = run(restarted, turn2, "after-rebuild")
+    assert got == run(cold, turn2)[0]
+    assert last.num_cached_tokens == 48 and last.reuse["outcome"] == "Admitted"
+    assert restarted.stats()["tier_restores_disk_total"] == 1
+    assert_accounting(restarted)
+    restarted.stop()
+    assert any(p.name.endswith(".damaged") for p in (tmp_path / "rejected").iterdir())

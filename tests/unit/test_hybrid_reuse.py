@@ -69,7 +69,7 @@ def test_whole_previous_turn_is_reused_and_equals_recompute(tiny, cold):
     got, last = run(engine, turn2)
     assert last.num_cached_tokens == len(turn1) + len(answer) - 1
     assert last.reuse == {"outcome": "Admitted", "matched_tokens": last.num_cached_tokens,
-                          "reused_tokens": last.num_cached_tokens}
+                          "reused_tokens": last.num_cached_tokens, "tier": "device"}
     assert got == run(cold, turn2)[0]
     assert_idle_accounting(engine)
 
@@ -361,7 +361,7 @@ def test_same_prompt_twice_below_the_grid_reuses_len_minus_one_bit_exact(tiny, c
     again = _recorded(engine, [GenerationRequest("again", x, greedy(6))])["again"]
     assert again[2].num_cached_tokens == length - 1
     assert again[2].reuse == {"outcome": "Admitted", "matched_tokens": length - 1,
-                              "reused_tokens": length - 1}
+                              "reused_tokens": length - 1, "tier": "device"}
     want = _recorded(cold, [GenerationRequest("cold", x, greedy(6))])["cold"]
     _assert_equal_to_cold(first, want, "first")
     _assert_equal_to_cold(again, want, "again")

@@ -55,7 +55,8 @@ def test_reuse_equals_recompute_around_a_page_boundary(tiny, cold, p):
     got, last = run(engine, ids)
     assert got == run(cold, ids)[0]
     assert last.num_cached_tokens == p
-    assert last.reuse == {"outcome": "Admitted", "matched_tokens": p, "reused_tokens": p}
+    assert last.reuse == {"outcome": "Admitted", "matched_tokens": p, "reused_tokens": p,
+                          "tier": "device"}
     assert_idle_accounting(engine)
 
 

@@ -76,7 +76,7 @@ def test_host_restore_equals_recompute(tiny, cold):
     assert engine.offload() > 0 and engine.prefix_index.num_pages == 0
     got, last = run(engine, turn2)
     assert got == run(cold, turn2)[0]
-    assert last.reuse["outcome"] == "Admitted"
+    assert last.reuse["outcome"] == "Admitted" and last.reuse["tier"] == "host"
     assert last.num_cached_tokens == 48  # all of turn 1 that was computed (3 pages)
     stats = engine.stats()
     assert stats["tier_restores_host_total"] == 1
@@ -92,7 +92,7 @@ def test_disk_restore_and_restart_restore_equal_recompute(tiny, cold, tmp_path):
     assert engine.stats()["disk_tier_records"] == 3  # the 3 full pages of turn 1
     got, last = run(engine, turn2)
     want = run(cold, turn2)[0]
-    assert got == want and last.num_cached_tokens == 48
+    assert got == want and last.num_cached_tokens == 48 and last.reuse["tier"] == "disk"
     assert engine.stats()["tier_restores_disk_total"] == 1
     assert_accounting(engine)
     engine.stop()
@@ -100,7 +100,7 @@ def test_disk_restore_and_restart_restore_equal_recompute(tiny, cold, tmp_path):
     # a restart: a new engine of the same package on the same folder
     restarted = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
     got, last = run(restarted, turn2, "again")
-    assert got == want and last.num_cached_tokens == 48
+    assert got == want and last.num_cached_tokens == 48 and last.reuse["tier"] == "disk"
     assert restarted.stats()["tier_restores_disk_total"] == 1
     restarted.stop()
 
@@ -108,7 +108,7 @@ def test_disk_restore_and_restart_restore_equal_recompute(tiny, cold, tmp_path):
     other = make_engine(tiny, namespace="pkg-b", host_tier_bytes=0, state_dir=tmp_path)
     got, last = run(other, turn2, "other")
     assert got == want and last.num_cached_tokens == 0
-    assert last.reuse["outcome"] == "NoMatch"
+    assert last.reuse["outcome"] == "NoMatch" and last.reuse["tier"] is None
     other.stop()
 
 

@@ -194,8 +194,9 @@ class RequestOutput:
             (end-of-sequence or a `stop_token_ids` id) has none.
         reuse: on the final output, how the prompt's cached state was looked up and used:
             {"outcome": "NoMatch" | "CostRejected" | "CapacityRejected" |
-            "EnqueueRejected" | "Admitted", "matched_tokens": int, "reused_tokens": int};
-            None when the engine has no prefix cache.
+            "EnqueueRejected" | "Admitted", "matched_tokens": int, "reused_tokens": int,
+            "tier": "device" | "host" | "disk" | None (where the reused state came from;
+            None when nothing was reused)}; None when the engine has no prefix cache.
     """
 
     request_id: str

@@ -251,7 +251,7 @@ class Scheduler:
         if not seq.lookup_counted:  # the client hears about the deciding lookup
             seq.lookup_counts = r.counts
             seq.reuse = {"outcome": r.outcome.value, "matched_tokens": r.matched_tokens,
-                         "reused_tokens": r.num_tokens}
+                         "reused_tokens": r.num_tokens, "tier": r.tier}
             seq.num_cached_tokens = r.num_tokens
         return True
 

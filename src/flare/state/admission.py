@@ -171,6 +171,9 @@ class Reuse:
         counts: what `ReuseCounters.record` takes for this lookup (outcome, queried
             tokens, matched tokens), for the caller to count once per request; None with
             `wait`.
+        tier: where the reused state came from when `num_tokens` > 0: "device" (the
+            device pool held it), "host" or "disk" (the slowest tier a part of it was
+            promoted from for this lookup); None when nothing is reused.
     """
 
     outcome: Outcome
@@ -180,6 +183,7 @@ class Reuse:
     matched_tokens: int = 0
     wait: Any = None
     counts: tuple[Outcome, int, int] | None = None
+    tier: str | None = None
 
 
 class DeviceReuse:
@@ -237,14 +241,16 @@ class DeviceReuse:
         if promo.outcome is not None:
             self._fallback = (promo.outcome, promo.matched_tokens)
         try:
-            return self._counted(self._acquire_device(tokens, state_slot))
+            return self._counted(self._acquire_device(tokens, state_slot),
+                                 promo.tier if promo.promoted_tokens else None)
         finally:
             self._fallback = None
             self.index.pool.release(list(promo.held))
 
-    def _counted(self, reuse: Reuse) -> Reuse:
+    def _counted(self, reuse: Reuse, promoted_from: str | None = None) -> Reuse:
         counts, self._counts = self._counts, None
-        return dataclasses.replace(reuse, counts=counts)
+        tier = (promoted_from or "device") if reuse.num_tokens > 0 else None
+        return dataclasses.replace(reuse, counts=counts, tier=tier)
 
     def _record(self, outcome: Outcome, queried: int, matched: int) -> Outcome:
         """Decide the lookup's one outcome (a rejected tier restore replaces NoMatch) and

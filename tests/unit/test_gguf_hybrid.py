@@ -24,12 +24,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, MODEL_ARCH, get_tensor_name_map
-from gguf.quants import dequantize, quantize
-
 from engine_helpers import greedy, run, small_engine, words
 from exactness import assert_same_logits, run_recorded
-from hybrid_models import LFM2_RULES, QWEN3_5_RULES, _random_model, lfm2_config, qwen3_5_config
+from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+from gguf.quants import dequantize, quantize
+from hybrid_models import (
+    LFM2_RULES,
+    QWEN3_5_RULES,
+    _random_model,
+    lfm2_config,
+    qwen3_5_config,
+)
+
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.gguf import open_gguf
 from flare.loading.gguf_hybrid import hybrid_tensor_name, tiled_to_grouped
@@ -235,7 +241,7 @@ def test_every_tensor_name_is_gguf_py_s_name_for_it(pair):
     arch, _, path, ckpt, _ = pair
     gmap = get_tensor_name_map(ARCH[arch], 5)
     for t in open_gguf(path).tensors:
-        layer, name = hybrid_tensor_name(arch, t.name)
+        _, name = hybrid_tensor_name(arch, t.name)
         hf = name.replace(".dt_bias", ".dt_proj.bias")
         assert gmap.get_name(hf, try_suffixes=(".weight", ".bias")) == t.name
         assert name in ckpt.tensors

@@ -366,6 +366,10 @@ class RemoteTier:
             return set()
         return found
 
+    def offered(self, keys: list[bytes]) -> set[bytes]:
+        """`contains_many` under the disk tier's other name (the tier store asks it)."""
+        return self.contains_many(list(keys))
+
     def children(self, parent: bytes, kind: str) -> list[tuple[bytes, tuple[int, ...], int]]:
         """(key, tokens, position) of records of `kind` under `parent`, ordered by
         position then key (empty while down). Does not touch (LRU).

@@ -77,8 +77,10 @@ def turn2_of(reply: str) -> list[dict]:
 @pytest.mark.parametrize("how", ["save", "shutdown"])
 def test_restart_restores_the_chain_when_the_reply_retokenizes(package, tmp_path, how):
     state = tmp_path / "state"
+    # "save": only the explicit save may reach the disk (write-through off), so the
+    # never-restarted figure below is taken on the same server without writing its state
     extra = ("--state-dir", str(state)) + (("--save-state-on-shutdown",)
-                                           if how == "shutdown" else ())
+                                           if how == "shutdown" else ("--no-write-through",))
     first = ServerProcess(package, tmp_path / "a.log", extra)
     try:
         one = chat(first.url, TURN1, session="s")

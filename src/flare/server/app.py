@@ -61,6 +61,7 @@ from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreaming
 from flare.server.grammar import GrammarConstraint
 from flare.server.guard import (RequestGuard, ServerCounters, check_message_count,
                                 unencodable_text)
+from flare.server.json_body import JsonContentType
 from flare.server.logprobs import chat_logprobs, completion_logprobs
 from flare.server.metrics import RequestMetrics, build_labels
 from flare.server.protocol import (
@@ -228,6 +229,7 @@ def create_app(
                                              else engine.stats().get("num_waiting", 0)),
                        max_queue=settings.max_queue, counters=counters,
                        body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(JsonContentType)  # JSON bodies sent without the JSON type
     app.state.engine = engine
     app.include_router(sessions_router(engine))
     app.include_router(responses_router(engine, core, settings))  # /v1/responses

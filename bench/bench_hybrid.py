@@ -17,7 +17,12 @@ with `prepare_package` and loaded through flare's loader. For each recipe, on on
 - same-prompt-twice TTFT: a 200-token prompt (below the 256-token checkpoint grid) sent
   again; with reuse it adopts the checkpoint one token before the prompt's end (len - 1
   cached); also the first send's TTFT with reuse on (the extra one-token step before the
-  prompt's end) vs off.
+  prompt's end) vs off;
+- write-through (issue 18): the TTFT of turn 10 after turns 1-9 ran on an engine with a
+  state folder that was then stopped without a save flag and replaced by a new engine on
+  the folder (the restored state comes from what write-through wrote), and its cached
+  tokens; aggregate decode tok/s at batch 8 with a state folder and write-through on vs
+  off (interleaved rounds, medians), and the slowdown in percent.
 Figures, not pass/fail: compare columns of one run, never numbers from another machine.
 Tiny: about 75 s on one CPU thread (a fifth of it loading the tokenizer from the GGUF);
 embedded: about 4 minutes on one thread with `--repeats 1` (building, saving and preparing
@@ -146,6 +151,42 @@ def same_prompt_ttft(on: Engine, off: Engine, rng: random.Random, vocab: int,
             again[f"{tag}-b"]["cached"])
 
 
+def restart_ttft(pkg, folder: Path, rng: random.Random, vocab: int,
+                 tag: str) -> tuple[float, int]:
+    """Turns 1-9 of a `TURNS`-turn conversation on an engine with a state folder
+    (write-through on, the default), a clean stop without a save flag, a new engine on
+    the folder, then turn 10. Returns (its TTFT ms, its cached tokens)."""
+    engine = Engine.from_package(pkg, prefix_cache=True, state_dir=folder)
+    history = _ids(rng, SYSTEM_TOKENS, vocab)
+    for turn in range(TURNS - 1):
+        prompt = history + _ids(rng, USER_TOKENS, vocab)
+        rid = f"{tag}-t{turn}"
+        history = prompt + _run(engine, [GenerationRequest(rid, prompt,
+                                                           _greedy(REPLY_TOKENS))])[rid]["tokens"]
+    engine.stop()
+    engine = Engine.from_package(pkg, prefix_cache=True, state_dir=folder)
+    prompt, rid = history + _ids(rng, USER_TOKENS, vocab), f"{tag}-t{TURNS - 1}"
+    r = _run(engine, [GenerationRequest(rid, prompt, _greedy(REPLY_TOKENS))])
+    engine.stop()
+    return (r[rid]["first"] - r[""]["t0"]) / 1e6, r[rid]["cached"]
+
+
+def write_through_decode(pkg, root: Path, rng: random.Random, vocab: int,
+                         repeats: int) -> tuple[float, float]:
+    """Decode at 8 streams (128 tokens each) with a state folder, write-through on and off,
+    interleaved; medians of `repeats` rounds (tok/s on, tok/s off)."""
+    engines = {on: Engine.from_package(pkg, prefix_cache=True, state_dir=root / f"wt-{on}",
+                                       write_through=on) for on in (True, False)}
+    out: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for on, engine in engines.items():
+            out[on].append(decode_tok_s(engine, [_ids(rng, 32, vocab) for _ in range(8)],
+                                        128))
+    for engine in engines.values():
+        engine.stop()
+    return statistics.median(out[True]), statistics.median(out[False])
+
+
 def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) -> dict:
     """Build, prepare and load the `size` random `recipe` model; measure its figures.
 
@@ -169,6 +210,9 @@ def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) ->
     dec8 = decode_tok_s(on, [_ids(rng, 32, vocab) for _ in range(8)], 128)
     runs = [conversation_ttft(on, off, rng, vocab, f"c{i}") for i in range(repeats)]
     same = [same_prompt_ttft(on, off, rng, vocab, f"s{i}") for i in range(repeats)]
+    restarts = [restart_ttft(pkg, root / f"restart-{recipe}-{i}", rng, vocab, f"r{i}")
+                for i in range(repeats)]
+    wt_on, wt_off = write_through_decode(pkg, root / recipe, rng, vocab, repeats)
     mem = pkg.manifest.memory
     return {
         "recipe": recipe, "prefill": prefill, "dec1": dec1, "dec8": dec8,
@@ -180,6 +224,9 @@ def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) ->
         "same_off": statistics.median(r[1] for r in same),
         "same_first_on": statistics.median(r[2] for r in same),
         "same_cached": statistics.median(r[3] for r in same),
+        "restart_ttft": statistics.median(r[0] for r in restarts),
+        "restart_cached": statistics.median(r[1] for r in restarts),
+        "wt_on": wt_on, "wt_off": wt_off,
         "state": (mem["state_slots"], mem["state_bytes_per_slot"], mem["state_pool_bytes"],
                   mem["kv_pool_bytes"], pkg.plan.checkpoint_interval),
     }
@@ -234,6 +281,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['recipe']:8} {r['same_on']:29.1f} {r['same_off']:8.1f} "
               f"{r['same_cached']:>10.0f} {r['same_first_on']:16.1f}")
+    head = (f"{'recipe':8} {'turn-10 TTFT after restart ms':>29} {'cached tok':>10} "
+            f"{'decode b8 write-through on':>26} {'off tok/s':>9} {'slowdown':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['recipe']:8} {r['restart_ttft']:29.1f} {r['restart_cached']:>10.0f} "
+              f"{r['wt_on']:26.1f} {r['wt_off']:9.1f} "
+              f"{100 * (1 - r['wt_on'] / r['wt_off']):7.1f}%")
     for r in rows:
         slots, per_slot, pool, kv, every = r["state"]
         print(f"{r['recipe']}: state pool {slots} slots x {per_slot:,} B = {pool:,} B "

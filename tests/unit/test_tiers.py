@@ -85,8 +85,7 @@ def test_host_restore_equals_recompute(tiny, cold):
 
 
 def test_disk_restore_and_restart_restore_equal_recompute(tiny, cold, tmp_path):
-    # write-through off: the records reach disk by the offload alone (and turn 2's state
-    # is not written, so the restart restores turn 1's 48 positions again)
+    # write-through off: turn 1's records reach disk by the offload alone
     engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path, write_through=False)
     _, turn2 = two_turns(engine)
     engine.offload()
@@ -99,10 +98,13 @@ def test_disk_restore_and_restart_restore_equal_recompute(tiny, cold, tmp_path):
     assert_accounting(engine)
     engine.stop()
 
-    # a restart: a new engine of the same package on the same folder
+    # a restart: a new engine of the same package on the same folder; turn 2's own state
+    # reached disk too (assert_accounting's clear pushed it through the 0-byte host tier,
+    # and stop sends what waits), so all but its last token is restored
     restarted = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
     got, last = run(restarted, turn2, "again")
-    assert got == want and last.num_cached_tokens == 48 and last.reuse["tier"] == "disk"
+    assert got == want and last.num_cached_tokens == len(turn2) - 1
+    assert last.reuse["tier"] == "disk"
     assert restarted.stats()["tier_restores_disk_total"] == 1
     restarted.stop()
 

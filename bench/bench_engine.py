@@ -54,13 +54,13 @@ def _run(engine: Engine, reqs: list[GenerationRequest]) -> tuple[float, dict[str
 
 
 def flare_engine(ckpt, weights: str, *, max_seq_len: int = 4096, max_num_seqs: int = 8,
-                 max_batch_tokens: int = 512) -> Engine:
+                 max_batch_tokens: int = 512, prefix_cache: bool = False) -> Engine:
     """Flare's engine on the checkpoint's weights in format `weights` ("fp16", "full",
-    "q4", "q4x8"), prefix cache off (every prompt is computed in full)."""
+    "q4", "q4x8", ...), prefix cache off by default (every prompt is computed in full)."""
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      max_batch_tokens=max_batch_tokens)
     return Engine(ckpt.config, plan, convert_tensors(ckpt.tensors, weights), ckpt.tokenizer,
-                  prefix_cache=False)
+                  prefix_cache=prefix_cache)
 
 
 def flare_prefill(engine: Engine, ids: list[int]) -> float:

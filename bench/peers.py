@@ -3,8 +3,11 @@
 Columns: Flare's engine (prefix cache off) in each weight format asked for; transformers'
 `generate` on the same fp32 weights; llama.cpp through llama-cpp-python on the very same
 GGUF file, when it is importable. Rows: decode tokens/s at batch 1, aggregate decode
-tokens/s at 8 concurrent streams, prefill tokens/s on 512- and 2,048-token prompts.
-Each figure is followed by its fraction of the machine's limit:
+tokens/s at 8 concurrent streams, prefill tokens/s on 512- and 2,048-token prompts, and
+the time to first token when a cached 2,048-token prompt is extended by 50 new tokens
+(an agent's next turn: Flare's prefix cache; llama.cpp's own KV cache, which keeps the
+prompt it evaluated last). Each throughput is followed by its fraction of the machine's
+limit:
 
 - decode: bytes read per step (the weights in the column's storage, plus the KV cache of
   the context) x steps/s, over the measured memory bandwidth;
@@ -36,13 +39,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (_prompt, flare_decode, flare_engine, flare_prefill,  # noqa: E402
-                          hf_decode, hf_model, hf_prefill)
+from bench_engine import (_prompt, _run, flare_decode, flare_engine,  # noqa: E402
+                          flare_prefill, hf_decode, hf_model, hf_prefill)
 
 from flare.loading.checkpoint import load_checkpoint  # noqa: E402
 from flare.loading.embedded import embedded_model_path  # noqa: E402
+from flare.runtime.request import GenerationRequest, SamplingParams  # noqa: E402
 
 SHORT_PROMPT = 32  # tokens before decode starts
+EXTEND_BASE, EXTEND_NEW = 2048, 50  # the cached prompt, and the turn that extends it
+
+
+def new_tokens(round_: int, n: int, vocab: int) -> list[int]:
+    """`n` token ids no earlier round used after the same prefix (each extension must be
+    computed, not found in the cache), the same in every column for one round."""
+    g = torch.Generator().manual_seed(round_)
+    return torch.randint(1000, vocab, (n,), generator=g).tolist()
 
 
 # ---- machine limits ---------------------------------------------------------------------
@@ -118,8 +130,17 @@ def flare_bytes_per_param(cfg, fmt: str) -> float:
 
 # ---- llama.cpp ------------------------------------------------------------------------------
 
+def flare_extend(engine, base: list[int], suffixes) -> float:
+    """ms from submitting `base` + the next of `suffixes` to its first token, with `base`
+    already in the engine's prefix cache."""
+    t0, r = _run(engine, [GenerationRequest("x", base + next(suffixes),
+                                            SamplingParams(max_tokens=1, temperature=0))])
+    return (r["first"]["x"] - t0) / 1e6
+
+
 def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
-                       lengths: tuple[int, ...]) -> dict[str, Callable[[], float]] | str:
+                       lengths: tuple[int, ...], suffixes=None
+                       ) -> dict[str, Callable[[], float]] | str:
     """llama.cpp's measurements through llama-cpp-python (row -> a call returning the
     figure), or why there are none. Prefill is one `eval` of the prompt (batches of
     512); decode evaluates one token per step (a fixed id: the sampler is not timed). The
@@ -147,8 +168,19 @@ def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
             llm.eval([42])
         return decode_tokens / (time.perf_counter() - t)
 
-    return {"decode_b1": decode, **{f"prefill_{n}": functools.partial(prefill, n)
-                                    for n in lengths}}
+    def extend() -> float:
+        # the base prompt evaluated (llama.cpp keeps its KV), then only the new tokens
+        llm.reset()
+        llm.eval(ids_of(EXTEND_BASE))
+        t = time.perf_counter()
+        llm.eval(next(suffixes))
+        return (time.perf_counter() - t) * 1e3
+
+    out = {"decode_b1": decode, **{f"prefill_{n}": functools.partial(prefill, n)
+                                   for n in lengths}}
+    if suffixes is not None:
+        out["extend"] = extend
+    return out
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -179,9 +211,18 @@ def main() -> None:
         return _prompt(tok, n)
 
     short = ids_of(SHORT_PROMPT)
-    rows = ["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in lengths]
+    extend = not args.quick
+    rows = (["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in lengths]
+            + (["extend"] if extend else []))
     labels = {"decode_b1": "decode batch 1, tok/s", "decode_b8": "decode 8 streams, agg tok/s",
-              **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in lengths}}
+              **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in lengths},
+              "extend": f"+{EXTEND_NEW} on cached {EXTEND_BASE}, ms"}
+    base = ids_of(EXTEND_BASE)
+
+    def suffix_stream():
+        # every column draws the same suffixes round by round
+        for k in range(1 << 30):
+            yield new_tokens(k, EXTEND_NEW, cfg.vocab_size)
     # every column's measurements (row -> a call returning the figure), made first; then
     # `--repeat` rounds run every measurement of every column in turn, so a slower spell
     # of the shared machine falls on all columns alike; the table shows medians
@@ -195,6 +236,11 @@ def main() -> None:
             "decode_b8": functools.partial(flare_decode, engine, short, 8, n_dec),
             **{f"prefill_{n}": functools.partial(flare_prefill, engine, ids_of(n))
                for n in lengths}}
+        if extend:
+            cached = flare_engine(ckpt, fmt, prefix_cache=True)
+            flare_prefill(cached, base)  # the cached turn
+            measures[f"flare {fmt}"]["extend"] = functools.partial(
+                flare_extend, cached, base, suffix_stream())
         bytes_per_param[f"flare {fmt}"] = flare_bytes_per_param(cfg, fmt)
     if not args.skip_transformers:
         model = hf_model(ckpt)
@@ -206,7 +252,8 @@ def main() -> None:
                for n in lengths}}
         bytes_per_param["transformers fp32"] = 4.0
     if not args.skip_llama_cpp:
-        measures["llama.cpp"] = llama_cpp_measures(gguf, ids_of, args.threads, n_dec, lengths)
+        measures["llama.cpp"] = llama_cpp_measures(gguf, ids_of, args.threads, n_dec, lengths,
+                                                   suffix_stream() if extend else None)
         layers, out = linear_params(cfg)
         # the GGUF's tensor bytes per parameter (Q4_1 layers, Q8_0 embedding / output)
         bytes_per_param["llama.cpp"] = gguf.stat().st_size / (layers + out)
@@ -250,6 +297,8 @@ def main() -> None:
             value = None if isinstance(figs, str) else figs.get(row)
             if value is None:
                 cells.append("-")
+            elif row == "extend":
+                cells.append(f"{value:7.1f}        ")
             else:
                 cells.append(f"{value:7.1f} ({100 * fraction(col, row, value):4.1f}%)")
         print(f"{labels[row]:30}" + "".join(f"{c:>{width}}" for c in cells))

@@ -1,6 +1,6 @@
 """The generation core shared by the API surfaces: OpenAI chat and text completions
-(`flare.server.app`), the Responses API (`flare.server.responses`) and any other surface
-mounted on the same engine.
+(`flare.server.openai_routes`), the Responses API (`flare.server.responses`) and any other
+surface mounted on the same engine.
 
 `GenerationCore` holds what every surface needs from the served engine and settings, so a
 surface is a protocol translation and nothing more:

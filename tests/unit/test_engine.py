@@ -10,7 +10,8 @@ import pytest
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.package.plan import make_plan
-from flare.runtime.engine import Engine, RequestRejected
+from flare.runtime.engine import Engine
+from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

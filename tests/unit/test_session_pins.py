@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from test_tiers import cold, greedy, make_engine, run, tiny, words  # noqa: F401
 
-from flare.runtime.engine import Engine, RequestRejected
+from flare.runtime.engine import Engine
+from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest
 
 

@@ -211,3 +211,14 @@ class RequestOutput:
     error: str | None = None
     reuse: dict[str, object] | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+class RequestRejected(ValueError):
+    """A request the engine cannot serve (empty prompt, prompt beyond the plan, a session
+    over its pinning budget); `param` and `code` name the field and the reason for an
+    API error when known."""
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code

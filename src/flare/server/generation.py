@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from flare.runtime.engine import RequestRejected
+from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest, RequestOutput
 from flare.server.chat import ChatTemplateError, chat_prompt_ids
 from flare.server.grammar import (

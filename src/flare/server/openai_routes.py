@@ -13,7 +13,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from flare.runtime.engine import RequestRejected
+from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest
 from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
                                      GenerationCore, new_id)

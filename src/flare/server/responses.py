@@ -54,7 +54,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from flare.runtime.engine import RequestRejected
+from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest, SamplingParams
 from flare.server.chat import ChatTemplateError, render_chat
 from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,

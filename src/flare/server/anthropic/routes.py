@@ -31,7 +31,7 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flare.runtime.engine import RequestRejected
+from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest, RequestOutput
 from flare.server.anthropic.errors import (
     api_error_response,

@@ -214,7 +214,9 @@ def test_cancel_during_restore_leaks_nothing_and_the_other_waiter_is_served(tiny
 
 
 def test_full_transfer_queue_is_enqueue_rejected_and_answers_correctly(tiny, cold, tmp_path):
-    engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path, max_pending_transfers=1)
+    # write-through off: its ticket would compete for the one transfer slot this test fills
+    engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path, max_pending_transfers=1,
+                         write_through=False)
     _, first = two_turns(engine, seed=11)
     _, second = two_turns(engine, seed=12)
     engine.offload()

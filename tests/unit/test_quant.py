@@ -194,7 +194,7 @@ def test_fp16_never_turns_a_weight_infinite(tiny_qwen3_dir, tmp_path):
 
 def test_decode_span_reads_a_view_with_the_gathers_result():
     from flare.models.attention import AttentionBatch, DecodeGroup, paged_attention
-    from flare.runtime.engine import _decode_group
+    from flare.runtime.forward import _decode_group
 
     torch.manual_seed(0)
     k_cache, v_cache = torch.randn(64 * 16, 2, 16), torch.randn(64 * 16, 2, 16)

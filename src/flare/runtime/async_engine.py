@@ -69,7 +69,7 @@ class AsyncEngine:
         """Submit `request` and yield its outputs until the finished one.
 
         Raises:
-            flare.runtime.engine.RequestRejected: the request does not fit the plan.
+            flare.runtime.request.RequestRejected: the request does not fit the plan.
             ValueError: a request with this id is already live.
         """
         rid = request.request_id

@@ -133,34 +133,27 @@ def main() -> int:
     finally:
         one.stop()
 
-    a, b = ServerProcess(package, work / "a.log"), ServerProcess(package, work / "b.log")
-    try:
-        gw, url = gateway([a.url, b.url], "round_robin", work / "gw-rr.log")
+    def behind_gateway(policy: str, tag: str, extra: tuple[str, ...] = ()) -> dict:
+        """The workload through `smg --policy policy` over two replicas (`extra` flags)."""
+        a = ServerProcess(package, work / f"{tag}a.log", extra)
+        b = ServerProcess(package, work / f"{tag}b.log", extra)
         try:
-            rows["2 replicas, round_robin, no shared tier"] = workload(
-                url, model, args.clients, args.turns, args.max_tokens)
+            gw, url = gateway([a.url, b.url], policy, work / f"gw-{tag}.log")
+            try:
+                return workload(url, model, args.clients, args.turns, args.max_tokens)
+            finally:
+                gw.terminate()
+                gw.wait(20)
         finally:
-            gw.terminate()
-            gw.wait(20)
-    finally:
-        a.stop()
-        b.stop()
+            a.stop()
+            b.stop()
 
+    rows["2 replicas, round_robin, no shared tier"] = behind_gateway("round_robin", "rr")
     redis = RedisProcess(work / "redis")
-    extra = ("--remote-tier", redis.url)
-    a = ServerProcess(package, work / "ra.log", extra)
-    b = ServerProcess(package, work / "rb.log", extra)
     try:
-        gw, url = gateway([a.url, b.url], "cache_aware", work / "gw-ca.log")
-        try:
-            rows["2 replicas, smg cache_aware + Redis"] = workload(
-                url, model, args.clients, args.turns, args.max_tokens)
-        finally:
-            gw.terminate()
-            gw.wait(20)
+        rows["2 replicas, smg cache_aware + Redis"] = behind_gateway(
+            "cache_aware", "ca", ("--remote-tier", redis.url))
     finally:
-        a.stop()
-        b.stop()
         redis.stop()
 
     print(f"{args.clients} clients x {args.turns} turns, {args.max_tokens} tokens a turn, "

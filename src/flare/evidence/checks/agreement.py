@@ -74,10 +74,10 @@ def check_summary(p: Packet) -> CheckResult:
                            "observations cannot be summarized", [str(e)] + findings)
     _compare("groups", p.summary["groups"], recomputed["groups"], findings)
     return make_result("summary-agreement", findings, FAIL,
-                   "the summary names these observations (sha256) and equals the "
-                   "recomputation from them exactly",
-                   "the summary disagrees with the raw observations",
-                   evidence={"observations_sha256": digest,
+                       "the summary names these observations (sha256) and equals the "
+                       "recomputation from them exactly",
+                       "the summary disagrees with the raw observations",
+                       evidence={"observations_sha256": digest,
                              "summary_observations_sha256": claimed_binding["sha256"],
                              "comparison": "exact",
                              "groups": sorted(recomputed["groups"])})

@@ -121,7 +121,7 @@ def check_coalesced(p: Packet) -> CheckResult:
                                 f"ending in a single-token event: per-token times were "
                                 f"invented for coalesced events")
     return make_result("coalesced-events", findings, FAIL,
-                   f"no invented per-token times ({coalesced} coalesced events kept as one)",
-                   "per-token times were invented for coalesced events",
-                   evidence={"coalesced_events": coalesced,
+                       f"no invented per-token times ({coalesced} coalesced events kept as one)",
+                       "per-token times were invented for coalesced events",
+                       evidence={"coalesced_events": coalesced,
                              "itl_intervals_by_group": dict(eligible)})

@@ -25,10 +25,10 @@ def check_group_outcomes(p: Packet, opts: Options) -> CheckResult:
            + (f" ({o['error']['message'][:120]})" if o["error"] else "")
            for o in group if o["status"] != "ok"]
     return make_result("group-outcomes", bad, FAIL,
-                   f"all {len(group)} requests of group {opts.group!r} completed",
-                   f"requests of group {opts.group!r} failed or were cancelled: the metric "
-                   f"would only describe the survivors",
-                   evidence={"group": opts.group, "observations": len(group)})
+                       f"all {len(group)} requests of group {opts.group!r} completed",
+                       f"requests of group {opts.group!r} failed or were cancelled: the metric "
+                       f"would only describe the survivors",
+                       evidence={"group": opts.group, "observations": len(group)})
 
 
 # --------------------------------------------------------------------------- 10. thresholds

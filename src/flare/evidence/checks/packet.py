@@ -27,9 +27,9 @@ def check_schema(p: Packet) -> CheckResult:
     findings = list(p.schema_findings)
     findings += [f"{n}: missing (see completeness)" for n in p.missing]
     return make_result("schema", findings, INCONCLUSIVE,
-                   "every evidence file parses and validates against schema version 1",
-                   "evidence files are missing, unreadable or do not match the schema",
-                   evidence={"schema_version": SCHEMA_VERSION})
+                       "every evidence file parses and validates against schema version 1",
+                       "evidence files are missing, unreadable or do not match the schema",
+                       evidence={"schema_version": SCHEMA_VERSION})
 
 
 # --------------------------------------------------------------------------- 2. integrity
@@ -61,8 +61,8 @@ def check_integrity(p: Packet) -> CheckResult:
         if "lines" in entry and n_lines != entry["lines"]:
             findings.append(f"{name}: {n_lines} lines, {PACKET_FILE} says {entry['lines']}")
     return make_result("integrity", findings, INCONCLUSIVE,
-                   "file digests, sizes, line count and the seal match",
-                   "the evidence files are not the ones the packet was sealed with")
+                       "file digests, sizes, line count and the seal match",
+                       "the evidence files are not the ones the packet was sealed with")
 
 
 # --------------------------------------------------------------------------- 3. completeness
@@ -121,9 +121,9 @@ def check_completeness(p: Packet, opts: Options) -> CheckResult:
         findings.append(f"group {opts.group!r} gives {n_samples} sample(s) of {duration}, "
                         f"fewer than the minimum {opts.min_samples}")
     return make_result("completeness", findings, INCONCLUSIVE,
-                   f"every one of {sent} requests sent has one observation; group "
-                   f"{opts.group!r} has {n_samples} samples (minimum {opts.min_samples})",
-                   "evidence is incomplete",
-                   evidence={"requests_sent": sent, "observations": len(obs),
+                       f"every one of {sent} requests sent has one observation; group "
+                       f"{opts.group!r} has {n_samples} samples (minimum {opts.min_samples})",
+                       "evidence is incomplete",
+                       evidence={"requests_sent": sent, "observations": len(obs),
                              "group": opts.group, "group_observations": len(group),
                              "group_samples": n_samples, "min_samples": opts.min_samples})

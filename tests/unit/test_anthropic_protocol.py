@@ -26,8 +26,8 @@ from flare.server.anthropic.protocol import (
     chat_messages,
     validation_message,
 )
+from flare.server.api_error import ApiError
 from flare.server.guard import RequestGuard
-from flare.server.protocol import ApiError
 from flare.server.tool_calls import ContentEvent, ToolCall, ToolCallEvent
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},

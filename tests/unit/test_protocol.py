@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from flare.server.protocol import (
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Usage,
-    validation_error,
-)
+from flare.server.api_error import ApiError, validation_error
+from flare.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flare.server.openai.replies import Usage
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 

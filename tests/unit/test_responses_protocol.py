@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from flare.server.protocol import ApiError
+from flare.server.api_error import ApiError
 from flare.server.responses_protocol import (
     ResponseEvents,
     ResponsesRequest,

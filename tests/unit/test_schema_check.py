@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from flare.server.protocol import ApiError
-from flare.server.schema_check import (UnsatisfiableSchema, check_request_schemas,
-                                       check_satisfiable)
+from flare.server.api_error import ApiError
+from flare.server.schema_check import (
+    UnsatisfiableSchema,
+    check_request_schemas,
+    check_satisfiable,
+)
 
 # the three inputs of issue 23
 REQUIRED_SELF = {"$ref": "#/$defs/n", "$defs": {"n": {

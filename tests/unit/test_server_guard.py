@@ -12,9 +12,10 @@ import time
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
-from pydantic import BaseModel
 from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import BaseModel
 
+from flare.server.api_error import ApiError
 from flare.server.guard import (
     Admission,
     PromptBound,
@@ -24,7 +25,6 @@ from flare.server.guard import (
     keys_match,
     with_deadline,
 )
-from flare.server.protocol import ApiError
 
 KEY = "sk-flare-test-0123456789"
 

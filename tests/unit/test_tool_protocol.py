@@ -6,14 +6,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from flare.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionRequest,
-    FunctionCall,
-    ToolCallMessage,
-    validation_error,
-)
+from flare.server.api_error import validation_error
+from flare.server.openai.messages import FunctionCall, ToolCallMessage
+from flare.server.openai.protocol import ChatCompletionRequest
+from flare.server.openai.replies import AssistantMessage, ChatChoice
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather",

@@ -1,6 +1,6 @@
 """The HTTP server: one FastAPI app over an `AsyncEngine`, assembled from one router per
 API surface, each over the shared generation core (`flare.server.generation`):
-OpenAI chat/completions and models (`flare.server.openai_routes`), Anthropic Messages
+OpenAI chat/completions and models (`flare.server.openai.routes`), Anthropic Messages
 (`flare.server.anthropic`), OpenAI Responses (`flare.server.responses`), sessions
 (`flare.server.sessions`) and the web chat (`flare.server.web`). This module adds the
 middleware (limits, JSON bodies), the error handlers, and GET /health,
@@ -56,19 +56,15 @@ from prometheus_client.registry import Collector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flare.server.anthropic.routes import messages_router
+from flare.server.api_error import ApiError, error_body, validation_error
 from flare.server.generation import (GenerationCore)
 from flare.server.guard import (RequestGuard, ServerCounters)
 from flare.server.json_body import JsonContentType
 from flare.server.metrics import RequestMetrics, build_labels
-from flare.server.protocol import (
-    ApiError,
-    error_body,
-    validation_error,
-)
+from flare.server.openai.routes import openai_router
 from flare.server.responses import responses_router
 from flare.server.sessions import sessions_router
 from flare.server.tool_formats import TOOL_PARSERS
-from flare.server.openai_routes import openai_router
 from flare.server.web import mount_web
 
 log = logging.getLogger(__name__)

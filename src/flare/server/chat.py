@@ -39,7 +39,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from flare.server.protocol import ChatMessage, Tool
+from flare.server.openai.messages import ChatMessage, Tool
 from flare.server.tool_formats import FORMATS, ToolFormat
 
 

@@ -1,5 +1,5 @@
 """The generation core shared by the API surfaces: OpenAI chat and text completions
-(`flare.server.openai_routes`), the Responses API (`flare.server.responses`) and any other
+(`flare.server.openai.routes`), the Responses API (`flare.server.responses`) and any other
 surface mounted on the same engine.
 
 `GenerationCore` holds what every surface needs from the served engine and settings, so a
@@ -34,6 +34,7 @@ from fastapi.responses import StreamingResponse
 
 from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest, RequestOutput
+from flare.server.api_error import ApiError
 from flare.server.chat import ChatTemplateError, chat_prompt_ids
 from flare.server.grammar import (
     GrammarCompiler,
@@ -44,7 +45,7 @@ from flare.server.grammar import (
     tool_call_grammar,
 )
 from flare.server.guard import PromptBound, ServerCounters, unencodable_text, with_deadline
-from flare.server.protocol import ApiError, ChatMessage, Tool
+from flare.server.openai.messages import ChatMessage, Tool
 from flare.server.schema_check import check_request_schemas
 from flare.server.streaming import Tally, merge_streams
 from flare.server.tool_calls import ParsedMessage, ToolCallParser

@@ -63,7 +63,7 @@ from prometheus_client.registry import Collector
 
 from flare.runtime.async_engine import on_enqueued
 from flare.server.anthropic import errors as anthropic_errors
-from flare.server.protocol import ApiError
+from flare.server.api_error import ApiError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]

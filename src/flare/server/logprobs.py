@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flare.runtime.request import TokenLogprob
-from flare.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from flare.server.openai.replies import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 FLOOR = -9999.0  # what -inf and NaN become
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

@@ -56,11 +56,11 @@ from fastapi.responses import JSONResponse, Response
 
 from flare.runtime.request import RequestRejected
 from flare.runtime.request import GenerationRequest, SamplingParams
+from flare.server.api_error import ApiError
 from flare.server.chat import ChatTemplateError, render_chat
 from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
                                      GenerationCore, new_id)
 from flare.server.guard import check_message_count, unencodable_text
-from flare.server.protocol import ApiError
 from flare.server.responses_protocol import (
     RESPONSE_ID,
     ResponseEvents,

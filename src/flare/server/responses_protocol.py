@@ -35,8 +35,16 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from flare.server.protocol import (ApiError, FunctionDefinition, ParamError, _check_schema,
-                                   _Request, check_distinct_tool_names)
+from flare.server.api_error import ApiError, ParamError
+from flare.server.openai.messages import FunctionDefinition
+from flare.server.request_rules import (
+    StrictRequest,
+    ToolMode,
+    check_distinct_tool_names,
+    check_schema,
+    check_tool_choice,
+    tool_mode,
+)
 from flare.server.tool_calls import ContentEvent, Event, ToolCall
 
 RESPONSE_ID = r"resp_[0-9a-f]{32}"
@@ -54,14 +62,14 @@ class ResponseFunctionTool(FunctionDefinition):
     type: Literal["function"]
 
 
-class NamedFunctionChoice(_Request):
+class NamedFunctionChoice(StrictRequest):
     """`tool_choice: {"type": "function", "name": ...}`."""
 
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Request):
+class TextFormat(StrictRequest):
     """`text.format`: plain text, any JSON object, or JSON valid for a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -74,17 +82,17 @@ class TextFormat(_Request):
     @classmethod
     def _valid_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
-            _check_schema(v)
+            check_schema(v)
         return v
 
 
-class TextConfig(_Request):
+class TextConfig(StrictRequest):
     """`text`: its `format` (`verbosity` and other fields are accepted and ignored)."""
 
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(StrictRequest):
     """POST /v1/responses body (fields Flare reads; others are ignored, as agents send
     many: `reasoning`, `include`, `truncation`, `prompt_cache_key`, `user`, ...).
 
@@ -145,21 +153,13 @@ class ResponsesRequest(_Request):
     @classmethod
     def _choice_needs_tools(cls, v: Any, info: Any) -> Any:
         names = [t.name for t in info.data.get("tools") or ()]
-        if v == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
-        if isinstance(v, NamedFunctionChoice) and v.name not in names:
-            raise ValueError(f"tool_choice names function {v.name!r}, which is not in tools "
-                             f"({', '.join(names) or 'none given'})")
+        check_tool_choice(v, names, v.name if isinstance(v, NamedFunctionChoice) else None)
         return v
 
     @property
-    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
-        """As chat's: "none" (not rendered, not parsed), "auto", "required", "named"."""
-        if not self.tools or self.tool_choice == "none":
-            return "none"
-        if isinstance(self.tool_choice, NamedFunctionChoice):
-            return "named"
-        return "required" if self.tool_choice == "required" else "auto"
+    def tool_mode(self) -> ToolMode:
+        """As chat's (`request_rules.tool_mode`)."""
+        return tool_mode(self.tools, self.tool_choice, NamedFunctionChoice)
 
     @property
     def forced_name(self) -> str | None:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
 
-from flare.server.protocol import ApiError
+from flare.server.api_error import ApiError
 
 MAX_ROUNDS = 10_000  # far above any real schema's reference depth; bounds a hostile one
 

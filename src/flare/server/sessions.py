@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from flare.server.protocol import ApiError
+from flare.server.api_error import ApiError
 from flare.state.sessions import SessionError
 from flare.state.tiers import SaveRefused
 

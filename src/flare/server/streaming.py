@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from flare.runtime.request import RequestOutput, TokenLogprob
+from flare.server.api_error import ApiError, error_body
 from flare.server.logprobs import TextOffsets, chat_logprobs, completion_logprobs
-from flare.server.protocol import ApiError, Usage, error_body
+from flare.server.openai.replies import Usage
 from flare.server.tool_calls import ContentEvent, Event, ToolCallParser
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from flare.server.protocol import ApiError
+from flare.server.api_error import ApiError
 
 MESSAGES_PATH = "/v1/messages"
 

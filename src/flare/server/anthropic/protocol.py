@@ -34,10 +34,11 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from flare.runtime.request import SamplingParams
-from flare.server.protocol import (
+from flare.server.api_error import messages_at
+from flare.server.request_rules import (
     ANTHROPIC_TOOL_NAME_MAX,
-    _check_schema,
     check_distinct_tool_names,
+    check_schema,
     check_tool_name,
 )
 
@@ -162,7 +163,7 @@ class ToolDefinition(_Model):
     @field_validator("input_schema")
     @classmethod
     def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
-        _check_schema(v)
+        check_schema(v)
         if v.get("type", "object") != "object":
             raise ValueError(f"input_schema must describe an object, not {v.get('type')!r}")
         return v
@@ -399,12 +400,5 @@ def validation_message(errors: Sequence[Mapping[str, Any]]) -> str:
     first = max((e for e in errors if tuple(e.get("loc", ()))[:2] == top),
                 key=lambda e: len(_loc(e.get("loc", ())).split(".")), default=first)
     where = _loc(first.get("loc", ()))
-    msgs: list[str] = []
-    for err in errors:
-        if _loc(err.get("loc", ())) != where:
-            continue
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        if msg not in msgs:
-            msgs.append(msg)
-    text = " or ".join(msgs)
+    text = messages_at(errors, where, _loc)
     return f"{where}: {text}" if where else text

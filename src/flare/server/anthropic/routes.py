@@ -54,6 +54,7 @@ from flare.server.anthropic.protocol import (
     chat_messages,
     validation_message,
 )
+from flare.server.api_error import ApiError
 from flare.server.generation import (
     FORCED_MODES,
     SSE_HEADERS,
@@ -62,7 +63,6 @@ from flare.server.generation import (
     new_id,
 )
 from flare.server.guard import check_message_count
-from flare.server.protocol import ApiError
 from flare.server.streaming import Tally
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,8 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from flare.server.protocol import ApiError, ChatMessage
+from flare.server.api_error import ApiError
+from flare.server.openai.messages import ChatMessage
 
 STATIC = Path(__file__).with_name("static")
 ASSETS_PREFIX = "/web"

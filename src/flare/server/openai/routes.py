@@ -1,6 +1,6 @@
 """OpenAI's Chat Completions and Completions surface: POST /v1/chat/completions,
 POST /v1/completions and GET /v1/models, translated to and from the shared generation core
-(`flare.server.generation`). Schemas in `flare.server.protocol`; the server-wide policies
+(`flare.server.generation`). Schemas in `messages`, `protocol` and `replies` beside it; the server-wide policies
 (context length, max_tokens, n, errors, limits) are listed in `flare.server.app`.
 """
 
@@ -13,28 +13,35 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from flare.runtime.request import RequestRejected
-from flare.runtime.request import GenerationRequest
-from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
-                                     GenerationCore, new_id)
+from flare.runtime.request import GenerationRequest, RequestRejected
+from flare.server.api_error import ApiError
+from flare.server.generation import (
+    FORCED_MODES,
+    SSE_HEADERS,
+    ClosingStreamingResponse,
+    GenerationCore,
+    new_id,
+)
 from flare.server.grammar import GrammarConstraint
 from flare.server.guard import check_message_count, unencodable_text
 from flare.server.logprobs import chat_logprobs, completion_logprobs
-from flare.server.protocol import (
-    ApiError,
+from flare.server.openai.messages import FunctionCall, ToolCallMessage
+from flare.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from flare.server.openai.replies import (
     AssistantMessage,
     ChatChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
-    FunctionCall,
     ModelCard,
     ModelList,
-    ToolCallMessage,
 )
-from flare.server.streaming import ChunkBuilder, api_finish_reason, flare_extension, sse_stream
+from flare.server.streaming import (
+    ChunkBuilder,
+    api_finish_reason,
+    flare_extension,
+    sse_stream,
+)
 from flare.server.tool_calls import ParsedMessage, ToolCallParser
 
 

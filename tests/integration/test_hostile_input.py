@@ -98,6 +98,55 @@ def test_max_queue_bounds_a_simultaneous_burst(server, client):
     assert engine.stats()["num_waiting_peak"] <= MAX_QUEUE
 
 
+def test_a_request_of_n_choices_holds_n_places_in_the_queue(server, client):
+    """`n` choices are `n` waiting sequences: a burst of n=2 requests keeps num_waiting
+    within --max-queue 2 (each admitted request widens its ticket to 2 before queueing, or
+    gets 429 queue_full naming `n`), and n=3 alone could never be queued: 400 on `n`."""
+    engine = server.engine.engine
+    wait_idle(client)
+    body = {"model": MODEL, "messages": user("Count to one hundred."), "max_tokens": 24,
+            "ignore_eos": True, "temperature": 0, "n": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    err = error_of(client.post("/v1/chat/completions", json={**body, "n": 3}), 400)
+    assert err["param"] == "n" and "--max-queue" in err["message"]
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            seen.append(engine.num_waiting)
+            time.sleep(0.0005)
+
+    clients = [httpx.Client(base_url=server.url, timeout=300) for _ in range(12)]
+    barrier = threading.Barrier(len(clients))
+
+    def one(i: int) -> int:
+        clients[i].get("/health")
+        barrier.wait(30)
+        r = clients[i].post("/v1/chat/completions", json=body)
+        if r.status_code == 429:
+            assert r.json()["error"]["code"] == "queue_full", r.text
+        return r.status_code
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    statuses: list[int] = []
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:
+            for _ in range(3):
+                statuses += pool.map(one, range(len(clients)))
+                wait_idle(client, timeout=120)
+    finally:
+        stop.set()
+        sampler.join(5)
+        for c in clients:
+            c.close()
+    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
+    assert len(seen) > 100 and max(seen) <= MAX_QUEUE, max(seen)
+    assert engine.stats()["num_waiting_peak"] <= MAX_QUEUE
+
+
 # --------------------------------------------------------------------------- schemas
 
 
@@ -161,6 +210,67 @@ def test_a_grammar_failure_mid_generation_is_its_own_finish_reason_and_counted(c
     reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert reasons == ["grammar_error"]
     assert _metric(client, "flare_grammar_failures_total") == before + 2
+
+
+def _sse_events(client: httpx.Client, path: str, body: dict) -> list[tuple[str, dict]]:
+    """(event name, data) of each SSE event of a streamed POST."""
+    out, name = [], None
+    with client.stream("POST", path, json={**body, "stream": True}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: {"):
+                out.append((name, json.loads(line[6:])))
+    return out
+
+
+def test_a_grammar_failure_fails_the_answer_on_the_anthropic_and_responses_surfaces(
+        client, monkeypatch):
+    """Surfaces without a finish reason for it never end a failed structure as `end_turn`
+    or `completed`: Anthropic answers 400 (an `error` event when streamed, no
+    message_stop); Responses ends `failed` with error code "grammar_error" (a
+    `response.failed` event) and does not store it. Each failure is counted."""
+    from flare.server import grammar
+
+    real_advance = grammar.GrammarConstraint.advance
+
+    def failing_advance(self, token_id):
+        real_advance(self, token_id)
+        self._fail("injected by the test")
+
+    monkeypatch.setattr(grammar.GrammarConstraint, "advance", failing_advance)
+    before = _metric(client, "flare_grammar_failures_total")
+    schema = {"type": "object", "properties": {"path": {"type": "string"}},
+              "required": ["path"]}
+    messages = {"model": MODEL, "max_tokens": 16, "messages": user("Read a file."),
+                "tools": [{"name": "read", "input_schema": schema}],
+                "tool_choice": {"type": "any"}}
+    r = client.post("/v1/messages", json=messages)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith("grammar_error:")
+    assert "injected by the test" in err["error"]["message"]
+    events = _sse_events(client, "/v1/messages", messages)
+    names = [n for n, _ in events]
+    assert names[-1] == "error" and "message_stop" not in names
+    assert "message_delta" not in names
+    assert events[-1][1]["error"]["message"].startswith("grammar_error:")
+
+    responses = {"model": MODEL, "input": "Give me a JSON object.", "max_output_tokens": 16,
+                 "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    r = client.post("/v1/responses", json=responses)
+    assert r.status_code == 200, r.text
+    done = r.json()
+    assert done["status"] == "failed" and done["error"]["code"] == "grammar_error"
+    assert done["output"][0]["status"] == "incomplete"
+    assert client.get(f"/v1/responses/{done['id']}").status_code == 404
+    events = _sse_events(client, "/v1/responses", responses)
+    assert events[-1][0] == "response.failed"
+    assert events[-1][1]["response"]["error"]["code"] == "grammar_error"
+    assert not any(n == "response.completed" for n, _ in events)
+    assert _metric(client, "flare_grammar_failures_total") == before + 4
 
 
 # --------------------------------------------------------------------------- bodies

@@ -306,6 +306,27 @@ def test_admission_holds_the_bound_for_simultaneous_arrivals():
     assert admission.take() is None
 
 
+def test_a_ticket_widens_to_n_sequences_and_gives_them_back_one_by_one():
+    """A request of n choices holds n places; each enqueued sequence returns one; the
+    ticket's release returns what is left; widening past the bound holds what it held."""
+    waiting = [0]
+    admission = Admission(lambda: waiting[0], 3)
+    ticket = admission.take()
+    assert ticket.widen(3) and admission.pending == 3
+    assert admission.take() is None
+    for _ in range(2):  # two sequences counted in the engine's queue
+        waiting[0] += 1
+        ticket.enqueued()
+    assert admission.pending == 1 and admission.take() is None
+    ticket()
+    ticket()
+    assert admission.pending == 0
+    other = admission.take()  # 2 waiting + 1 pending: full
+    assert other is not None and not other.widen(2) and admission.pending == 1
+    other()
+    assert admission.pending == 0
+
+
 @pytest.fixture(scope="module")
 def slow_server():
     """A real uvicorn server (Flare's connection protocol and guard) on 127.0.0.1 with
@@ -387,6 +408,25 @@ def test_slow_bodies_and_slow_headers_are_cut_by_their_timeouts(slow_server):
         s.sendall(short.replace(b"1000", str(len(body)).encode()))
         s.settimeout(10)
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_an_idle_connection_is_closed_without_an_answer(slow_server):
+    """No byte of a request within the header timeout, on a new connection or after a
+    response on a kept-alive one: closed, with no 408 a pooled client could read as the
+    answer to its next request."""
+    body = b'{"prompt": "hi"}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+               b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with socket.create_connection(("127.0.0.1", slow_server)) as s:
+        data, took = _read_all(s, 10)
+    assert data == b"" and took < 8
+    with socket.create_connection(("127.0.0.1", slow_server)) as s:
+        s.settimeout(10)
+        s.sendall(request)
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        data, took = _read_all(s, 10)
+    assert b"408" not in data and took < 8
 
 
 def test_a_kept_alive_connection_gets_a_fresh_header_timeout(slow_server):

@@ -44,7 +44,8 @@ from flare.server.grammar import (
     json_grammar,
     tool_call_grammar,
 )
-from flare.server.guard import PromptBound, ServerCounters, unencodable_text, with_deadline
+from flare.server.guard import (PromptBound, ServerCounters, reserve_choices,
+                                unencodable_text, with_deadline)
 from flare.server.openai.messages import ChatMessage, Tool
 from flare.server.schema_check import check_request_schemas
 from flare.server.streaming import Tally, merge_streams
@@ -272,7 +273,13 @@ class GenerationCore:
     def generate(self, requests: Sequence[GenerationRequest], arrival_ns: int
                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The merged engine streams `(choice index, output)` of one API request, under
-        the server's request timeout (measured from `arrival_ns`, monotonic)."""
+        the server's request timeout (measured from `arrival_ns`, monotonic).
+
+        Raises:
+            ApiError: 429 `queue_full` when `n` choices would pass the queue bound
+                (`flare.server.guard.reserve_choices`).
+        """
+        reserve_choices(len(requests))
         streams = [self.engine.generate(r) for r in requests]
         if self.metrics is not None:
             streams = [self.metrics.observe(s) for s in streams]

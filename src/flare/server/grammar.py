@@ -327,6 +327,17 @@ class GrammarCompiler:
         return out
 
 
+def grammar_failure_message(constraint: Any) -> str:
+    """What a client is told when `constraint` gave up mid-generation (the engine's finish
+    reason "grammar_error"): the library's reason, shortened, and what to do about it. The
+    surfaces without a finish reason for it report it with this message: Anthropic as an
+    `invalid_request_error`, Responses as a `failed` response with error code
+    "grammar_error"."""
+    why = getattr(constraint, "error", None) or "unknown error"
+    return (f"grammar_error: the constraint on this answer's structure failed mid-generation "
+            f"({_short(why)}); the answer was cut there. Simplify the schema and retry.")
+
+
 def _short(error: str, limit: int = 300) -> str:
     """llguidance's message without its location prefix and grammar echo lines."""
     lines = [ln for ln in error.strip().splitlines() if not re.match(r"^\s*\d*\s*\|", ln)]

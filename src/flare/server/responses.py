@@ -32,6 +32,10 @@ a long agent loop does not pin one copy per turn. A response whose state does no
 the pinned budget is still stored, unpinned: it is then cached, demoted and restored like
 any other state, and recomputed when nothing holds it any more.
 
+A forced structure (`text.format`, a forced tool call) whose grammar fails mid-generation
+ends the response as `failed` with error code "grammar_error" and the output so far
+(`response.failed` when streamed); it is not stored, so it cannot be continued from.
+
 `instructions` left out of a continuation keep the stored ones (OpenAI drops them; keeping
 them is what lets the state continue exactly); new instructions replace them.
 """
@@ -60,6 +64,7 @@ from flare.server.api_error import ApiError
 from flare.server.chat import ChatTemplateError, render_chat
 from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreamingResponse,
                                      GenerationCore, new_id)
+from flare.server.grammar import grammar_failure_message
 from flare.server.guard import check_message_count, unencodable_text
 from flare.server.responses_protocol import (
     RESPONSE_ID,
@@ -341,10 +346,10 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p)
+        constraint = constraints[0] if constraints else None
         outputs = gen.generate([GenerationRequest(
             request_id=f"{response_id}-0", prompt_token_ids=prompt_ids, params=params,
-            arrival_ns=arrival_ns, constraint=constraints[0] if constraints else None,
-            session=session)], arrival_ns)
+            arrival_ns=arrival_ns, constraint=constraint, session=session)], arrival_ns)
         generated: list[int] = []
 
         async def tracked() -> Any:
@@ -376,8 +381,12 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             usage = usage_object(c.num_prompt_tokens, c.num_completion_tokens,
                                  c.num_cached_tokens)
             flare = {**flare_extension(tally), "continuation": continuation}
-            final = events.finish(reason == "length", usage, {"flare": flare})
-            if body.store:
+            error = ({"code": "grammar_error", "message": grammar_failure_message(constraint)}
+                     if reason == "grammar_error" else None)
+            final = events.finish(reason == "length", usage, {"flare": flare}, error)
+            if error is not None and session is not None:
+                await forget_session(session)  # a failed answer is never continued from
+            elif body.store:
                 done = events.response
                 rec = StoredResponse(
                     id=response_id, body=done, instructions=instructions,

@@ -454,21 +454,25 @@ class ResponseEvents:
         return out
 
     def finish(self, incomplete: bool, usage: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Close the open message and complete the response: `response.completed`, or
-        `response.incomplete` (reason `max_output_tokens`) when `incomplete`. A response
-        with no output at all gets an empty message, as OpenAI's does."""
+               extra: dict[str, Any] | None = None,
+               error: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Close the open message and end the response: `response.completed`;
+        `response.incomplete` (reason `max_output_tokens`) when `incomplete`; or, given an
+        `error` ({"code", "message"}), `response.failed` with the output so far (its
+        message closed as incomplete). A response with no output at all gets an empty
+        message, as OpenAI's does."""
         out: list[dict[str, Any]] = []
         if not self.output:
             out += self._open_message()
-        out += self._close_message("incomplete" if incomplete else "completed")
+        status = "failed" if error else "incomplete" if incomplete else "completed"
+        out += self._close_message("completed" if status == "completed" else "incomplete")
         self.response.update(
-            status="incomplete" if incomplete else "completed", usage=usage,
-            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            status=status, usage=usage, error=error,
+            incomplete_details=({"reason": "max_output_tokens"}
+                                if status == "incomplete" else None),
             **(extra or {}))
         self.response["output"] = self.output
-        kind = "response.incomplete" if incomplete else "response.completed"
-        out.append(self._event(kind, response=self._snapshot()))
+        out.append(self._event(f"response.{status}", response=self._snapshot()))
         return out
 
     def fail(self, message: str, code: str = "server_error") -> list[dict[str, Any]]:

@@ -13,7 +13,9 @@ into text and tool_use blocks (`flare.server.anthropic.events`).
 Every error on these paths, from validation to an unexpected exception, is answered in
 Anthropic's shape (`flare.server.anthropic.errors`) by the route class `_MessagesRoute`;
 the guard middleware does the same for 401, 413, 429 (here 529) and its 500. Unknown
-paths under /v1/messages are a 404 `not_found_error`, a wrong method a 405.
+paths under /v1/messages are a 404 `not_found_error`, a wrong method a 405. A forced
+structure whose grammar fails mid-generation (the engine's "grammar_error") has no
+stop_reason here: it is a 400 `invalid_request_error`, or an `error` event in a stream.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from flare.server.generation import (
     GenerationCore,
     new_id,
 )
+from flare.server.grammar import grammar_failure_message
 from flare.server.guard import check_message_count
 from flare.server.streaming import Tally
 
@@ -155,7 +158,7 @@ def messages_router(core: GenerationCore) -> APIRouter:
 
     async def stream(body: MessagesRequest, message_id: str,
                      outputs: AsyncIterator[tuple[int, RequestOutput]], make_parser: Any,
-                     token_ids: list[int]) -> AsyncIterator[str]:
+                     token_ids: list[int], constraint: Any) -> AsyncIterator[str]:
         events = StreamEvents(message_id, core.served_name)
         parser = make_parser() if make_parser else None
         tally = Tally(1)
@@ -175,7 +178,12 @@ def messages_router(core: GenerationCore) -> APIRouter:
                     if out.finished:
                         ev += parser.finish()
                     chunks += events.events(ev)
-                if out.finished:
+                if out.finished and out.finish_reason == "grammar_error":
+                    # Anthropic has no stop_reason for a failed structure: an error event
+                    # ends the stream instead of message_delta / message_stop
+                    chunks.append(events.error(error_body(400, grammar_failure_message(
+                        constraint))))
+                elif out.finished:
                     if parser is None:
                         reason, seq = stop_of(body, out.finish_reason, False, token_ids)
                     else:
@@ -220,12 +228,16 @@ def messages_router(core: GenerationCore) -> APIRouter:
         outputs = _recording(core.generate([request_], arrival_ns), token_ids)
         if body.stream:
             return ClosingStreamingResponse(
-                stream(body, message_id, outputs, make_parser, token_ids),
+                stream(body, message_id, outputs, make_parser, token_ids,
+                       request_.constraint),
                 media_type="text/event-stream", headers=SSE_HEADERS)
         tally = await core.collect(request, outputs, 1)
         if tally is None:
             return Response(status_code=499)  # client closed the request; nobody reads this
         c = tally.choices[0]
+        if c.finish_reason == "grammar_error":  # no stop_reason says it: an error answer
+            raise ApiError(400, grammar_failure_message(request_.constraint),
+                           code="grammar_error")
         parsed = core.parse(make_parser, c.text)
         reason, seq = stop_of(body, parsed.finish_reason(c.finish_reason),
                               bool(parsed.tool_calls), token_ids)

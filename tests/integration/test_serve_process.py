@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -24,7 +25,9 @@ import httpx
 import openai
 import pytest
 from http_helpers import error_of, http_client_fixture, user, wait_state
-from server_process import EXIT_TIMEOUT_S, ServerProcess, _flare_command, _free_port
+from server_process import EXIT_TIMEOUT_S, ServerProcess
+
+from flare.serve_child import flare_command, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +35,18 @@ MODEL = "SmolLM2-135M-Instruct"  # the package's model name
 CODE_PROMPT = "Write a Python function that reverses a string."
 # Greedy answer of the embedded model is katakana: multi-byte characters in the stream.
 MULTIBYTE_PROMPT = "Translate 'cat' into Japanese and Chinese."
+# short connection limits, so the test of them is quick (the defaults are 10 s and 30 s)
+HEADER_TIMEOUT_S = 3
+BODY_TIMEOUT_S = 5
 
 
 
 
 @pytest.fixture(scope="module")
 def server(smollm2_package, tmp_path_factory):
-    srv = ServerProcess(smollm2_package, tmp_path_factory.mktemp("serve") / "serve.log")
+    srv = ServerProcess(smollm2_package, tmp_path_factory.mktemp("serve") / "serve.log",
+                        extra_args=("--header-timeout", str(HEADER_TIMEOUT_S),
+                                    "--body-timeout", str(BODY_TIMEOUT_S)))
     yield srv
     srv.stop()
 
@@ -204,6 +212,36 @@ def test_errors_then_keeps_serving(client, http):
 # --------------------------------------------------------------------------- own processes
 
 
+def _answer_and_close(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """What the server sends on `sock` until it closes it (at most `limit_s`), and when."""
+    sock.settimeout(limit_s)
+    t0, data = time.monotonic(), b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data, time.monotonic() - t0
+
+
+def test_slow_headers_and_bodies_are_cut_by_the_cli_timeouts(server, http):
+    """`--header-timeout 3 --body-timeout 5` through the real CLI: headers never finished
+    get 408 header_timeout, a body shorter than its Content-Length 408 body_timeout, each
+    within a second or two of its limit and closed; the server serves on."""
+    port = int(server.url.rsplit(":", 1)[1])
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: 500\r\n\r\n{\"model\"")
+    for opening, code, limit in ((b"POST /v1/chat/completions HTTP/1.1\r\nhost",
+                                  b"header_timeout", HEADER_TIMEOUT_S),
+                                 (head, b"body_timeout", BODY_TIMEOUT_S)):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(opening)
+            data, took = _answer_and_close(s, 30)
+        assert data.startswith(b"HTTP/1.1 408") and code in data, data[:300]
+        assert limit - 0.5 < took < limit + 10, took
+    assert http.get("/health").status_code == 200
+
+
 def test_flipped_weight_byte_refused(smollm2_package, tmp_path):
     pkg = tmp_path / "pkg"
     shutil.copytree(smollm2_package, pkg)
@@ -223,8 +261,8 @@ def test_flipped_weight_byte_refused(smollm2_package, tmp_path):
     assert found != expected
 
     proc = subprocess.run(
-        [*_flare_command(), "serve", str(pkg), "--host", "127.0.0.1",
-         "--port", str(_free_port())],
+        [*flare_command(), "serve", str(pkg), "--host", "127.0.0.1",
+         "--port", str(free_port())],
         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

@@ -8,7 +8,9 @@ connection (and its file descriptor) forever. Production HTTP servers bound this
 does it here: from the moment a connection opens, and again from the end of each response
 (the next request on a kept-alive connection), the request's headers must be complete
 within `header_timeout_s` seconds, or the server answers 408 `header_timeout` and closes
-the connection. The body has its own limit, in the request guard
+the connection. A connection on which no byte of a request has arrived by then is idle,
+not slow: it is closed without an answer, as nginx closes an idle keep-alive connection,
+so a client's pooled connection is never handed an unasked-for 408. The body has its own limit, in the request guard
 (`flare.server.guard.RequestGuard`, `body_timeout_s`).
 
 `uvicorn_config` builds the `uvicorn.Config` every Flare server runs with.
@@ -72,9 +74,11 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def _on_timeout(self) -> None:
         self._header_timer = None
-        if not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self.conn.trailing_data[0]:  # part of a request came: it is answered
             self.transport.write(_timeout_response(self.header_timeout_s))
-            self.transport.close()
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -2,7 +2,8 @@
 
 - `client`: HTTP/SSE client of the chat and session routes (httpx).
 - `store`: the conversations' messages, one JSON file each, named like their session.
-- `launcher`: a `flare serve` child for `flare chat PKG` / `--embedded`.
+- `flare.serve_child.ChildServer` (outside this package) starts the `flare serve` child of
+  `flare chat PKG` / `--embedded`.
 - `repl`: the prompt (prompt_toolkit), streamed Markdown (rich), the slash commands.
 - `cli`: the subcommand's options (`flare.cli` only registers it).
 

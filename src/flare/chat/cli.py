@@ -105,9 +105,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from flare.chat.client import ChatError, FlareClient
-    from flare.chat.launcher import ChildServer, ServerStartError
     from flare.chat.repl import ChatApp, ChatOptions
     from flare.chat.store import Conversation, ConversationStore, StoreError, check_name
+    from flare.serve_child import ChildServer, ServerStartError
 
     starts = (args.package is not None) + bool(args.embedded)
     if starts > 1 or (starts and args.url):

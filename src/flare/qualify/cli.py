@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("qualify needs --url URL or --package PKG")
     from flare.qualify.runner import DEFAULT_CORPUS, qualify
     from flare.qualify.scenarios import Settings
-    from flare.qualify.server import ServerStartError
+    from flare.serve_child import ServerStartError
 
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens),
                                    ("ttft_samples", args.ttft_samples),

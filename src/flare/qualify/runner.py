@@ -21,7 +21,8 @@ from flare.qualify import provenance
 from flare.qualify.client import Client
 from flare.qualify.packet import build_packet, write_packet
 from flare.qualify.scenarios import Run, Settings
-from flare.qualify.server import ManagedServer, ServerStartError
+from flare.qualify.server import ManagedServer
+from flare.serve_child import ServerStartError
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "corpus" / "agent-sessions-v1.json"
 SERVER_LOG = "server.log"

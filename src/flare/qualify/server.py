@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+from flare.serve_child import ServerStartError, free_port, stop_process, wait_healthy
 
-
-class ServerStartError(RuntimeError):
-    """The server exited or did not answer /health in time; the message has its log tail."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# SIGINT first: the server's Ctrl+C path, which qualify's restart scenarios exercise
+STOP_STEPS = ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0))
 
 
 class ManagedServer:
@@ -60,12 +52,6 @@ class ManagedServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _log_tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
     def start(self) -> None:
         """`launch` then `wait_ready`."""
         self.launch()
@@ -97,32 +83,15 @@ class ManagedServer:
             ServerStartError: the process exited, or the time ran out (it is stopped).
         """
         assert self.proc is not None, "launch() first"
-        deadline = self._launched + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerStartError(f"flare serve exited with status {self.proc.returncode}:"
-                                       f"\n{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise ServerStartError(f"flare serve did not answer /health within "
-                               f"{self.startup_timeout:.0f} s:\n{self._log_tail()}")
+        try:
+            wait_healthy(self.proc, self.url, self.log_path, self.startup_timeout,
+                         started=self._launched)
+        except ServerStartError:
+            self.stop()
+            raise
 
     def stop(self) -> int | None:
         """Stop the process: SIGINT, then SIGTERM, then SIGKILL, each after a wait.
         Returns its exit status, or None when none was started."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        for sig, wait in ((signal.SIGINT, 15), (signal.SIGTERM, 5)):
-            proc.send_signal(sig)
-            try:
-                return proc.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-        proc.kill()
-        return proc.wait(5)
+        return None if proc is None else stop_process(proc, STOP_STEPS, kill_wait_s=5.0)

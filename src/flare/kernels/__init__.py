@@ -29,6 +29,7 @@ ninja needed then). The first build takes about a minute on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import importlib.machinery
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -158,6 +160,26 @@ def _report_build(folder: Path, done: threading.Event,
                     time.monotonic() - start)
 
 
+@contextlib.contextmanager
+def _build_lock(final: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `<final>.lock` (flock; released if the process dies), so
+    processes that start together on a fresh machine build one key once: the others wait
+    and load what the first built. Without flock (not POSIX) each builds its own copy,
+    which the atomic rename in `_build` keeps safe."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(final.parent / f"{final.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build(name: str, final: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -213,7 +235,7 @@ def qgemm() -> ModuleType:
         q4_dequantize_into(codes, scales, mins, out [N, K]) -> None
         q4x8_linear(x [B, K], codes, scales, mins) -> y [B, N]   (qdot8.cpp: int8
         q8x8_linear(x [B, K], codes, scales) -> y [B, N]          activations, weights
-            in the 8-row interleaved layout of `flare.models.quant.Q4x8Weight`)
+            in the 8-row interleaved layout of `flare.models.quant.interleaved.Q4x8Weight`)
         quantize_rows_q8(x [B, K]) -> (codes int8 [B, K], scales [B, K/32])
         dense_pack(w [N, K] float16 or float32) -> panels [ceil(N/16), K, 16]
         f16_linear(x [B, K], panels float16, N, bias [N] | None) -> y [B, N]
@@ -238,7 +260,11 @@ def qgemm() -> ModuleType:
         name = f"flare_qgemm_{build_key()}"
         final = cache_root() / name
         so = final / f"{name}.so"
-        _MODULE = _import(name, so) if so.is_file() else _build(name, final)
+        if so.is_file():
+            _MODULE = _import(name, so)
+        else:
+            with _build_lock(final):  # a second process (a replica) waits, then loads it
+                _MODULE = _import(name, so) if so.is_file() else _build(name, final)
     except KernelUnavailable as exc:
         _PROBLEM = str(exc)
         raise

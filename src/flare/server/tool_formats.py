@@ -30,13 +30,21 @@ class ToolFormat:
         `flare.server.tool_calls`)."""
         return self.parser_class(tool_names, max_calls, strict)
 
+    # A call is `call_head(name)`, the arguments object, then `call_tail`: the text and the
+    # forcing grammar are built from the same pieces, so a forced call re-renders exactly.
+    call_tail = ""
+
+    def call_head(self, name: str) -> str:
+        """What precedes the arguments object in a call of `name`."""
+        raise NotImplementedError
+
     def call_text(self, name: str, arguments: str) -> str:
         """One call as the model writes it (`arguments`: JSON object text)."""
-        raise NotImplementedError
+        return self.call_head(name) + arguments + self.call_tail
 
     def call_grammar(self, name: str, args_rule: str) -> str:
         """A Lark expression for one call of `name` whose arguments match `args_rule`."""
-        raise NotImplementedError
+        return f"{_lark_str(self.call_head(name))} {args_rule} {_lark_str(self.call_tail)}"
 
     def render_calls(self, calls: Sequence[tuple[str, str]]) -> str:
         """Calls (name, arguments text) of an earlier assistant turn, as the model wrote
@@ -53,16 +61,11 @@ def _lark_str(text: str) -> str:
 
 class HermesFormat(ToolFormat):
     name = "hermes"
-    TAIL = "}\n</tool_call>"  # closes the call object, then the block
+    call_tail = "}\n</tool_call>"  # closes the call object, then the block
     parser_class = HermesParser
 
-    def call_text(self, name: str, arguments: str) -> str:
-        call = f'{{"name": {json.dumps(name)}, "arguments": {arguments}}}'
-        return f"<tool_call>\n{call}\n</tool_call>"
-
-    def call_grammar(self, name: str, args_rule: str) -> str:
-        head = f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
-        return f"{_lark_str(head)} {args_rule} {_lark_str(self.TAIL)}"
+    def call_head(self, name: str) -> str:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
     def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
         sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -83,13 +86,10 @@ class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
     parser_class = Llama3JsonParser
     separator = "; "
+    call_tail = "}"
 
-    def call_text(self, name: str, arguments: str) -> str:
-        return f'{{"name": {json.dumps(name)}, "parameters": {arguments}}}'
-
-    def call_grammar(self, name: str, args_rule: str) -> str:
-        head = f'{{"name": {json.dumps(name)}, "parameters": '
-        return f'{_lark_str(head)} {args_rule} "}}"'
+    def call_head(self, name: str) -> str:
+        return f'{{"name": {json.dumps(name)}, "parameters": '
 
     def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
         sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)

@@ -22,7 +22,7 @@ import torch
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
-from flare.models.quant import convert_tensors
+from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams

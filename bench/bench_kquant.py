@@ -38,11 +38,9 @@ from peers import SHORT_PROMPT, llama_cpp_measures
 from flare.cache_dir import default_cache_dir
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
-from flare.models.quant import (
-    convert_tensors,
-    default_weight_format,
-    serving_weight_bytes,
-)
+from flare.models.quant.formats import default_weight_format
+from flare.models.quant.sizes import serving_weight_bytes
+from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 

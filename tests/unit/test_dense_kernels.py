@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from flare.kernels import KernelUnavailable, qgemm
-from flare.models.quant import (
-    Linear,
+from flare.models.quant.linear import Linear
+from flare.models.quant.sizes import (
     dense_panel_bytes,
     fbgemm_fp16_packed_bytes,
     fp16_packed_bytes,

@@ -16,7 +16,8 @@ import torch
 from engine_helpers import words
 from exactness import check_batch_neighbours, check_chunkings, check_reuse_positions
 from flare.loading.checkpoint import load_checkpoint
-from flare.models.quant import convert_tensors, default_weight_format
+from flare.models.quant.formats import default_weight_format
+from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 

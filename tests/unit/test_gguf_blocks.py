@@ -22,23 +22,13 @@ from engine_helpers import words
 from flare.kernels import cpu_problem
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.gguf import open_gguf
-from flare.models.quant import (
-    GGUFBlocks,
-    Linear,
-    _interleave,
-    _q4x8_of,
-    Q4x8Weight,
-    Q8x8Weight,
-    convert_tensors,
-    default_weight_format,
-    native_format,
-    q4_from_gguf,
-    q8_from_gguf,
-    quantize_q4,
-    quantize_q8,
-    serving_weight_bytes,
-    weight_getter,
-)
+from flare.models.quant.blocks import quantize_q4, quantize_q8
+from flare.models.quant.formats import default_weight_format, native_format
+from flare.models.quant.gguf_blocks import GGUFBlocks, q4_from_gguf, q8_from_gguf
+from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight, interleave
+from flare.models.quant.linear import Linear
+from flare.models.quant.sizes import serving_weight_bytes
+from flare.models.quant.storage import convert_tensors, weight_getter
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 
@@ -66,7 +56,7 @@ def test_block_readers_give_ggufs_dequantization_exactly(kind):
         q = torch.cat([codes.view(16, -1, 16) & 0xF, codes.view(16, -1, 16) >> 4], -1)
         got = (q.float() * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).view(16, 256)
         assert torch.equal(got, ref)
-        packed = _q4x8_of(codes, d, m, "w")
+        packed = Q4x8Weight.of(codes, d, m, "w")
         assert isinstance(packed, Q4x8Weight)
         assert torch.equal(packed.dequantize(), ref)
         ids = torch.tensor([0, 9, 3, 15])
@@ -100,7 +90,7 @@ def test_q8x8_kernel_takes_a_file_code_of_minus_128():
     w = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     w[0, :32], w[3, 5] = -128, -128
     scales = torch.rand(8, 2).half()
-    q = Q8x8Weight(_interleave(w, 4), _interleave(scales, 1))
+    q = Q8x8Weight(interleave(w, 4), interleave(scales, 1))
     x = torch.randn(3, 64)
     x_int8 = quantize_q8(x).dequantize().double()
     ref = F.linear(x_int8, q.dequantize().double()).float()
@@ -315,7 +305,7 @@ def test_greedy_tokens_equal_transformers_on_the_files_values(loaded):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine_helpers import last_position_logits
-    from flare.models.quant import quantize_q8
+    from flare.models.quant.blocks import quantize_q8
     from flare.runtime.request import GenerationRequest, SamplingParams
 
     name, ckpt = loaded

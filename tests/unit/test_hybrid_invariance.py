@@ -9,7 +9,7 @@ Three layers of checks, on the tiny random models of `hybrid_models`:
   and attention one query at a time (both exact by construction), which isolates
   everything else (conv, gated delta rule, norms, gates, MoE routing);
 - the engine end to end (its sampled rows of fp32 logits recorded), which also needs the
-  row-invariant `flare.models.quant.Linear` kernel and the fixed-order fused attention.
+  row-invariant `flare.models.quant.linear.Linear` kernel and the fixed-order fused attention.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from flare.models import hybrid_common as hc
-from flare.models import hybrid_decoder, quant
+from flare.models import hybrid_decoder
+from flare.models.quant.linear import Linear
 from flare.models.qwen3_5 import _l2norm
 from flare.package.plan import layout_for
 from flare.runtime.engine import Engine
@@ -138,12 +139,12 @@ def _token_attention(q, k_cache, v_cache, batch, scale, ops=None):
 
 @pytest.fixture
 def exact_linear_and_attention(monkeypatch):
-    call = quant.Linear.__call__
+    call = Linear.__call__
 
     def rowwise(self, x):
         return torch.cat([call(self, x[i:i + 1]) for i in range(x.shape[0])])
 
-    monkeypatch.setattr(quant.Linear, "__call__", rowwise)
+    monkeypatch.setattr(Linear, "__call__", rowwise)
     monkeypatch.setattr(hybrid_decoder, "paged_attention", _token_attention)
 
 

@@ -29,25 +29,20 @@ from gguf.quants import dequantize, quantize
 from flare.kernels import cpu_problem
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.gguf import open_gguf
-from flare.models.quant import (
+from flare.models.quant.blocks import quantize_q8
+from flare.models.quant.formats import default_weight_format, native_format
+from flare.models.quant.gguf_blocks import (
     GGUFBlocks,
-    Linear,
-    Q4Kx8Weight,
-    Q6Kx8Weight,
-    Q8x8Weight,
-    StackedWeight,
-    _q8x8_of,
-    cat_weights,
-    convert_tensors,
-    default_weight_format,
-    native_format,
     q4_k_from_gguf,
     q5_0_from_gguf,
     q6_k_from_gguf,
-    quantize_q8,
-    serving_weight_bytes,
-    weight_getter,
 )
+from flare.models.quant.interleaved import Q8x8Weight
+from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
+from flare.models.quant.linear import Linear
+from flare.models.quant.sizes import serving_weight_bytes
+from flare.models.quant.stacked import StackedWeight, cat_weights
+from flare.models.quant.storage import convert_tensors, weight_getter
 from flare.runtime.engine import Engine
 
 needs_kernel = pytest.mark.skipif(cpu_problem() is not None, reason=str(cpu_problem()))
@@ -147,7 +142,7 @@ def _served(kind: str, raw: np.ndarray, name: str = "w"):
         return Q4Kx8Weight.of(*q4_k_from_gguf(b, name), name=name)
     if kind == "Q6_K":
         return Q6Kx8Weight.of(*q6_k_from_gguf(b, name), name=name)
-    return _q8x8_of(*q5_0_from_gguf(b, name), name)
+    return Q8x8Weight.of(*q5_0_from_gguf(b, name), name)
 
 
 # ---- readers and values --------------------------------------------------------------------

@@ -23,7 +23,7 @@ from flare.package.contract import (
     payload_id,
 )
 from flare.loading.checkpoint import load_checkpoint
-from flare.models.quant import convert_tensors
+from flare.models.quant.storage import convert_tensors
 from flare.prepare.package import ensure_package, prepare_package
 from flare.package.reader import load_package
 

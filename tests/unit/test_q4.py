@@ -18,23 +18,18 @@ import torch.nn.functional as F
 
 from flare.kernels import cpu_problem
 from flare.loading.checkpoint import load_checkpoint
-from flare.models.quant import (
-    Q4_SUFFIXES,
+from flare.models.quant.blocks import Q4Weight, Q8Weight, quantize_q4, quantize_q8
+from flare.models.quant.formats import check_weight_format
+from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
+from flare.models.quant.linear import Linear, Q_KERNEL_MAX_ROWS
+from flare.models.quant.sizes import serving_weight_bytes
+from flare.models.quant.stacked import cat_weights
+from flare.models.quant.storage import (
     Q4X8_SUFFIXES,
-    Q8_SUFFIXES,
+    Q4_SUFFIXES,
     Q8X8_SUFFIXES,
-    Q_KERNEL_MAX_ROWS,
-    Linear,
-    Q4Weight,
-    Q4x8Weight,
-    Q8Weight,
-    Q8x8Weight,
-    cat_weights,
-    check_weight_format,
+    Q8_SUFFIXES,
     convert_tensors,
-    quantize_q4,
-    quantize_q8,
-    serving_weight_bytes,
     weight_getter,
 )
 from flare.prepare.package import prepare_package
@@ -266,14 +261,14 @@ def test_q4_applies_only_where_the_kernel_serves_it(monkeypatch, fmt):
 @pytest.mark.parametrize("pack", [False, True])
 def test_linear_falls_back_to_dense_without_the_kernel(monkeypatch, pack):
     import flare.kernels
-    import flare.models.quant
+    import flare.models.quant.dense
 
     def unavailable():
         raise flare.kernels.KernelUnavailable("no C++ compiler")
 
     monkeypatch.setattr(flare.kernels, "qgemm", unavailable)
     # a machine without the kernels: the dense GEMMs are unavailable too (looked up once)
-    monkeypatch.setattr(flare.models.quant, "_DENSE", None)
+    monkeypatch.setattr(flare.models.quant.dense, "_DENSE", None)
     q = quantize_q4(torch.randn(16, 64))
     if pack:
         q = Q4x8Weight.pack(q)

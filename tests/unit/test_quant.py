@@ -11,17 +11,19 @@ import torch.nn.functional as F
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.models.llama import LlamaModel
-from flare.models.quant import (
-    Linear,
+from flare.models.quant.formats import (
     check_weight_format,
-    convert_tensors,
     default_weight_format,
-    fbgemm_fp16_packed_bytes,
-    fp16_packed_bytes,
     native_q4x8,
     native_q8x8,
+)
+from flare.models.quant.linear import Linear
+from flare.models.quant.sizes import (
+    fbgemm_fp16_packed_bytes,
+    fp16_packed_bytes,
     serving_weight_bytes,
 )
+from flare.models.quant.storage import convert_tensors
 from flare.prepare.package import ensure_package, prepare_package
 from flare.package.reader import PackageTensors, load_package
 from flare.package.plan import make_plan

@@ -16,7 +16,7 @@ import torch
 from engine_helpers import last_position_logits
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from flare.models.quant import convert_tensors
+from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
@@ -61,8 +61,13 @@ def test_smollm2_fp16_weights_greedy_tokens_equal_transformers(embedded_checkpoi
 
 def _dequantized(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The float32 weights a `q4` or `q4x8` package stands for, Hugging Face names."""
-    from flare.models.quant import (Q4_SUFFIXES, Q4X8_SUFFIXES, Q8_SUFFIXES, Q8X8_SUFFIXES,
-                                    weight_getter)
+    from flare.models.quant.storage import (
+        Q4X8_SUFFIXES,
+        Q4_SUFFIXES,
+        Q8X8_SUFFIXES,
+        Q8_SUFFIXES,
+        weight_getter,
+    )
 
     get = weight_getter(stored)
     suffixes = Q4_SUFFIXES + Q8_SUFFIXES + Q4X8_SUFFIXES + Q8X8_SUFFIXES
@@ -77,7 +82,7 @@ def _dequantized(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _round_activations_to_int8_blocks(model: torch.nn.Module) -> None:
     """Make every nn.Linear of `model` see its input as `q4x8`'s kernel does: each row
     quantized per block of 32 (`quantize_q8`) and dequantized again."""
-    from flare.models.quant import quantize_q8
+    from flare.models.quant.blocks import quantize_q8
 
     def hook(module, args):
         x = args[0]

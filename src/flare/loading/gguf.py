@@ -23,7 +23,7 @@ from flare.loading.gguf_hybrid import (HYBRID_ARCHITECTURES, hybrid_blocks, hybr
                                        hybrid_tensors)
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
-from flare.models.quant import GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES, GGUFBlocks
+from flare.models.quant.gguf_blocks import GGUFBlocks, GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES
 from flare.models.recipe import recipe_for
 from flare.progress import progress_bar
 
@@ -287,7 +287,7 @@ def gguf_blocks(reader: GGUFReader, config: ModelConfig,
 def weight_types(reader: GGUFReader) -> dict[str, list[str]]:
     """The GGUF types of the file's 2-D weights, sorted names: {"layers": the transformer
     blocks' projections, "other": the token embedding and output layer}. Decides the
-    default weight format (`flare.models.quant.native_format`)."""
+    default weight format (`flare.models.quant.formats.native_format`)."""
     layers, other = set(), set()
     for t in reader.tensors:
         if len(t.shape) != 2:

@@ -43,7 +43,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from flare.models.config import ModelConfig
-from flare.models.quant import GGUFBlocks
+from flare.models.quant.gguf_blocks import GGUFBlocks
 from flare.progress import progress_bar
 
 # GGUF general.architecture -> transformers architecture (the recipe's key)

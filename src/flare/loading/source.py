@@ -41,8 +41,8 @@ class Checkpoint:
             "files": {name: {"sha256", "bytes"}}, ...format-specific keys}.
         blocks: for a GGUF, each 2-D weight's GGUF type and, for the block types served
             as stored (Q4_0, Q4_1, Q8_0), the file's own block bytes in Hugging Face row
-            order (`flare.models.quant.GGUFBlocks`); empty for a safetensors folder.
-            `flare.models.quant.convert_tensors` builds the quantized formats from them.
+            order (`flare.models.quant.gguf_blocks.GGUFBlocks`); empty for a safetensors folder.
+            `flare.models.quant.storage.convert_tensors` builds the quantized formats from them.
     """
 
     config: ModelConfig

@@ -12,7 +12,7 @@ on the first `rotary_dim` channels of each head (all of them for LFM2, a quarter
 Qwen3.5), optional q/k/v/o biases and Qwen3.5's sigmoid output gate (`q_proj` yields a
 query and a gate per head).
 
-Exact by default: every linear layer is a `flare.models.quant.Linear` built once at load
+Exact by default: every linear layer is a `flare.models.quant.linear.Linear` built once at load
 (its CPU float kernel gives a row the same result whatever rows are beside it), the
 attention runs `paged_attention` with Flare's fused ops when serving float32 on CPU (one
 fixed-order routine for decode and prefill), and norms, RoPE and activations are
@@ -31,7 +31,7 @@ import torch
 
 from flare.models.attention import AttentionBatch, paged_attention
 from flare.models.hybrid_common import apply_rope, check_state_slots, rope_tables, sigmoid, silu
-from flare.models.quant import Linear
+from flare.models.quant.linear import Linear
 from flare.state.pools import KVCache
 from flare.state.slots import StateSlotPool
 
@@ -40,7 +40,7 @@ NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """A `flare.models.quant.Linear` of a weight [out, in] (and bias [out]) in the serving
+    """A `flare.models.quant.linear.Linear` of a weight [out, in] (and bias [out]) in the serving
     dtype, which is the weight's own dtype for the hybrid recipes (weight format `full`)."""
     return Linear(weight, bias, weight.dtype)
 

@@ -10,7 +10,7 @@ Per sequence the state is: KV pages of the attention layers (`kv.k[j]` is the j-
 attention layer), plus one state slot (`StateSlotPool`) holding each conv layer's window
 of the last L_cache-1 `B * x` inputs, at the position after the last token seen.
 
-Exact by default: the projections are row-invariant `flare.models.quant.Linear`s and the
+Exact by default: the projections are row-invariant `flare.models.quant.linear.Linear`s and the
 conv takes its taps in one fixed order for decode and prefill (`causal_conv`), so a
 token's result does not depend on chunking, reuse or the batch (see
 `flare.models.hybrid_decoder`).
@@ -27,7 +27,7 @@ from flare.models.attention import AttentionBatch
 from flare.models.hybrid_common import causal_conv, eos_ids, rms_norm, rope_theta
 from flare.models.hybrid_decoder import (AttentionWeights, HybridBlock, HybridDecoder, SwiGLU,
                                          linear)
-from flare.models.quant import Linear
+from flare.models.quant.linear import Linear
 from flare.state.layout import LayerStateSpec, StateLayout
 from flare.models.weights import tensor_getter
 from flare.state.slots import StateSlotPool

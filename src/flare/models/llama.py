@@ -3,7 +3,7 @@
 The math follows transformers' `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
 (pre-norm blocks, RoPE with `rotate_half`, GQA, SwiGLU MLP), so greedy tokens match theirs.
 Weights arrive in Hugging Face naming; q/k/v and gate/up are fused once at load so a layer
-is four matmuls, each a `flare.models.quant.Linear` (on CPU with float32 Flare's
+is four matmuls, each a `flare.models.quant.linear.Linear` (on CPU with float32 Flare's
 row-invariant kernels for every weight format but `q4`). The forward is a plain function of the
 step's flat token list over a paged KV cache: x is [T, hidden] for all T tokens of the
 step, whatever sequence they belong to. Per layer it runs few tensor operations: one
@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from flare.models.attention import (AttentionBatch, paged_attention,
                                     static_decode_attention)
 from flare.models.config import ModelConfig
-from flare.models.quant import Linear, cat_weights, weight_getter
+from flare.models.quant.linear import Linear
+from flare.models.quant.stacked import cat_weights
+from flare.models.quant.storage import weight_getter
 from flare.state.pools import KVCache
 
 

@@ -37,7 +37,7 @@ from flare.models.hybrid_common import (causal_conv, eos_ids, rms_norm, rms_norm
                                         rope_theta, sigmoid, silu, softplus)
 from flare.models.hybrid_decoder import (AttentionWeights, HybridBlock, HybridDecoder, SwiGLU,
                                          linear)
-from flare.models.quant import Linear
+from flare.models.quant.linear import Linear
 from flare.state.layout import LayerStateSpec, StateLayout
 from flare.models.weights import tensor_getter
 from flare.state.slots import StateSlotPool

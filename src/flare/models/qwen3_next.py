@@ -18,7 +18,7 @@ what transformers' `save_pretrained` writes; the multi-token-prediction head (`m
 dropped as for Qwen3.5. State layout and per-sequence state are Qwen3.5's.
 
 Exact by default, as Qwen3.5: the router, every expert and the shared expert are
-row-invariant `flare.models.quant.Linear`s built at load, and each token's expert outputs
+row-invariant `flare.models.quant.linear.Linear`s built at load, and each token's expert outputs
 are summed in ascending expert order whatever other tokens the step holds, so a token's
 result does not depend on the batch or the chunking.
 """
@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from flare.models.hybrid_common import sigmoid
 from flare.models.hybrid_decoder import SwiGLU, linear
-from flare.models.quant import Linear
+from flare.models.quant.linear import Linear
 from flare.models.qwen3_5 import (LINEAR, DeltaNetWeights, Qwen3_5Config, Qwen3_5Model,
                                   load_delta_net, state_layout)
 from flare.models.qwen3_5 import expected_tensor_names as _qwen3_5_names

@@ -44,8 +44,14 @@ from flare.package.contract import (
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.source import Checkpoint, checkpoint_format, default_model_name, source_identity
 from flare.models.config import ModelConfig
-from flare.models.quant import (WEIGHT_FORMATS, check_weight_format, convert_tensors,
-                                default_weight_format, fp16_overflow, serving_weight_bytes)
+from flare.models.quant.formats import (
+    WEIGHT_FORMATS,
+    check_weight_format,
+    default_weight_format,
+    fp16_overflow,
+)
+from flare.models.quant.sizes import serving_weight_bytes
+from flare.models.quant.storage import convert_tensors
 from flare.models.recipe import RECIPE_VERSIONS, is_hybrid_recipe, recipe_for
 from flare.package.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
                                 CapacityPlan, dtype_from_name, dtype_name, layout_for,

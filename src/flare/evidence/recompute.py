@@ -78,22 +78,27 @@ DEFAULT_GROUP = "ttft-512"
 # --------------------------------------------------------------------------- stamps
 
 
+def _stamp(obs: dict[str, Any], ns: int, block: str, clock: str) -> Stamp:
+    """A stamp on `clock` of `obs`, after checking that its `block` is labelled so.
+
+    Raises:
+        ClockDomainError: the block names another clock (or none).
+    """
+    label = (obs.get(block) or {}).get("clock")
+    if label != clock:
+        raise ClockDomainError(f"observation {obs.get('request_id')!r}: {block} block is "
+                               f"labelled {label!r}, expected {clock!r}")
+    return Stamp(clock, ns)
+
+
 def client_stamp(obs: dict[str, Any], ns: int) -> Stamp:
     """A client-clock stamp of `obs`, after checking its client block's label."""
-    clock = (obs.get("client") or {}).get("clock")
-    if clock != CLIENT:
-        raise ClockDomainError(f"observation {obs.get('request_id')!r}: client block is "
-                               f"labelled {clock!r}, expected {CLIENT!r}")
-    return Stamp(CLIENT, ns)
+    return _stamp(obs, ns, "client", CLIENT)
 
 
 def server_stamp(obs: dict[str, Any], ns: int) -> Stamp:
     """A server-clock stamp of `obs`, after checking its server block's label."""
-    clock = (obs.get("server") or {}).get("clock")
-    if clock != SERVER:
-        raise ClockDomainError(f"observation {obs.get('request_id')!r}: server block is "
-                               f"labelled {clock!r}, expected {SERVER!r}")
-    return Stamp(SERVER, ns)
+    return _stamp(obs, ns, "server", SERVER)
 
 
 # --------------------------------------------------------------------------- per observation

@@ -317,25 +317,29 @@ class Run:
             self.send("miss", messages=[self.system(f"miss-{i}"),
                                         {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
 
+    def _follow_up(self, scenario: str, sid: str, question: str, follow_up: str,
+                   **setup: Any) -> None:
+        """Turn 0 (`<scenario>.setup`, with `setup`'s extra send options) asks `question`
+        in session `sid`; turn 1 (`scenario`, the measured one) asks `follow_up` after
+        the reply, whole or cut."""
+        history = [self.system(sid), {"role": "user", "content": question}]
+        _, reply = self.send(f"{scenario}.setup", messages=history, session=sid, turn=0,
+                             **setup)
+        history += [{"role": "assistant", "content": reply},
+                    {"role": "user", "content": follow_up}]
+        self.send(scenario, messages=history, session=sid, turn=1)
+
     def _device_hit(self) -> None:
         for i in range(self.settings.device_hit):
-            sid = f"hit-{i}"
-            history = [self.system(sid), {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
-            _, reply = self.send("device-hit.setup", messages=history, session=sid, turn=0)
-            history += [{"role": "assistant", "content": reply},
-                        {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]}]
-            self.send("device-hit", messages=history, session=sid, turn=1)
+            self._follow_up("device-hit", f"hit-{i}", QUESTIONS[i % len(QUESTIONS)],
+                            FOLLOW_UPS[i % len(FOLLOW_UPS)])
 
     def _cancel(self) -> None:
         for i in range(self.settings.cancel):
-            sid = f"cancel-{i}"
-            history = [self.system(sid), {"role": "user", "content":
-                       "Explain in detail how a hash map works, with an example in Python."}]
-            _, partial = self.send("cancel.setup", messages=history, session=sid, turn=0,
-                                   cancel=True, max_tokens=self.settings.cancel_max_tokens)
-            history += [{"role": "assistant", "content": partial},
-                        {"role": "user", "content": "Stop there. Summarize it in one line."}]
-            self.send("cancel", messages=history, session=sid, turn=1)
+            self._follow_up("cancel", f"cancel-{i}",
+                            "Explain in detail how a hash map works, with an example in Python.",
+                            "Stop there. Summarize it in one line.",
+                            cancel=True, max_tokens=self.settings.cancel_max_tokens)
 
     def _branch(self) -> None:
         for i in range(self.settings.branch):

@@ -65,26 +65,50 @@ def settle(engine: Engine) -> None:
     assert engine.tiers.transfers.wait_idle(30)
 
 
-def test_conversation_moves_to_another_replica_and_restores_from_redis(tiny, redis):
-    a, b = dense(tiny, remote_tier=remote(redis)), dense(tiny, remote_tier=remote(redis))
-    cold = dense(tiny, prefix_cache=False)
+def move_to_replica_b(build, ckpt, redis: RedisProcess, seed: int):
+    """Turn 1 (naming session "conv") on replica A, written through to Redis; turn 2 on
+    replica B, whose answer must equal an engine without reuse. Returns (A, B, the last
+    output of turn 2); the caller stops A and B."""
+    a, b = build(ckpt, remote_tier=remote(redis)), build(ckpt, remote_tier=remote(redis))
+    cold = build(ckpt, prefix_cache=False)
     try:
-        turn1 = words(41, 1)
-        answer, _ = run(a, turn1, "t1")
+        turn1 = words(41, seed)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        outs = a.run_until_idle([GenerationRequest("t1", turn1, params, session="conv")])
+        answer = sum((o.token_ids for o in outs["t1"]), [])
         settle(a)
-        turn2 = turn1 + answer + words(9, 101)
+        turn2 = turn1 + answer + words(9, seed + 100)
         got, last = run(b, turn2, "t2")
         assert got == run(cold, turn2)[0]
+    finally:
+        cold.stop()
+    return a, b, last
+
+
+def assert_shared_once(a: Engine, b: Engine) -> None:
+    """A's finish published the session name with its chain; B's finish sent only the
+    records Redis lacked (none of A's was sent again, so none was only touched)."""
+    assert a.stats()["remote_tier_shares_total"] == 1
+    assert b.sessions.get("conv").saved_tokens == 48
+    settle(b)
+    stats = b.stats()
+    assert stats["remote_tier_written_total"] > 0 and stats["remote_tier_touched_total"] == 0
+
+
+def test_conversation_moves_to_another_replica_and_restores_from_redis(tiny, redis):
+    a, b, last = move_to_replica_b(dense, tiny, redis, 1)
+    try:
         assert last.num_cached_tokens == 48 and last.reuse["outcome"] == "Admitted"
         stats = b.stats()
         assert stats["tier_restores_disk_total"] == 1  # the tier below the host: Redis
         assert stats["remote_tier_read_hits_total"] >= 3 and stats["remote_tier_up"] == 1
-        assert a.stats()["remote_tier_shares_total"] == 1
+        assert_shared_once(a, b)
+        assert b.stats()["remote_tier_written_total"] == 2  # page 4 and the tail
         b.check_integrity()
         a.tiers.disk.check_integrity()
     finally:
-        for e in (a, b, cold):
-            e.stop()
+        a.stop()
+        b.stop()
 
 
 def test_redis_down_means_recompute_and_the_tier_comes_back(tiny, redis):
@@ -130,19 +154,12 @@ def hybrid_engine(tiny, **kw) -> Engine:
 
 
 def test_hybrid_conversation_moves_to_another_replica(hybrid, redis):
-    a = hybrid_engine(hybrid, remote_tier=remote(redis))
-    b = hybrid_engine(hybrid, remote_tier=remote(redis))
-    cold = hybrid_engine(hybrid, prefix_cache=False)
+    a, b, last = move_to_replica_b(hybrid_engine, hybrid, redis, 21)
     try:
-        turn1 = words(41, 21)
-        answer, _ = run(a, turn1, "t1")
-        settle(a)
-        turn2 = turn1 + answer + words(9, 121)
-        got, last = run(b, turn2, "t2")
-        assert got == run(cold, turn2)[0]
         # the end-of-generation checkpoint of turn 1 sits at 48 (49 tokens, last not computed)
         assert last.num_cached_tokens == 48
+        assert_shared_once(a, b)
         b.check_integrity()
     finally:
-        for e in (a, b, cold):
-            e.stop()
+        a.stop()
+        b.stop()

@@ -15,6 +15,9 @@ After each restart, the first resend of a conversation must restore from disk at
 the durable turn's prompt (a hybrid: its prompt-end checkpoint at P or P - 1, which the
 resent history contains), never a record the disk tier rejected, and every answer equals
 that of a `--no-prefix-cache` server given the same messages.
+
+A named session (the `session` field) comes back by name after one SIGKILL, with no save
+call: write-through marks it saved once its chain is written.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ def model_of(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def chat(url: str, messages: list[dict], max_tokens: int = 8) -> dict:
+def chat(url: str, messages: list[dict], max_tokens: int = 8,
+         session: str | None = None) -> dict:
     body = {"model": model_of(url), "messages": messages, "max_tokens": max_tokens,
             "temperature": 0}
+    if session is not None:
+        body["session"] = session
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
@@ -160,5 +166,43 @@ def test_sigkill_ten_times_restores_the_written_working_set_equal_to_recompute(
                 server.kill()
         # the restarts after waited kills (rounds 1, 4, 7) had durable turns to restore
         assert sum(c > 0 for c in restored) >= 6
+    finally:
+        reference.stop()
+
+
+def test_a_named_session_survives_sigkill_by_name(dense_package, tmp_path):
+    """Two turns naming a session, no save call, then SIGKILL once write-through is done:
+    the restarted server knows the name (write-through marked it saved after its chain),
+    the next turn restores from disk, and its answer equals a `--no-prefix-cache`
+    server's."""
+    state = tmp_path / "state"
+    reference = ServerProcess(dense_package, tmp_path / "ref.log", ("--no-prefix-cache",))
+    history = [SYSTEM]
+    try:
+        server = ServerProcess(dense_package, tmp_path / "s0.log", ("--state-dir", str(state)))
+        try:
+            for turn in USER_TURNS[:2]:
+                history.append({"role": "user", "content": turn})
+                got = chat(server.url, history, session="s")
+                reply = got["choices"][0]["message"]["content"].strip()
+                history.append({"role": "assistant", "content": reply or "ok"})
+            wait_written(server.url)
+            before = httpx.get(server.url + "/v1/sessions/s", timeout=10).json()
+            assert before["saved_tokens"] == before["tokens"] > 0
+        finally:
+            server.kill()
+        server = ServerProcess(dense_package, tmp_path / "s1.log", ("--state-dir", str(state)))
+        try:
+            after = httpx.get(server.url + "/v1/sessions/s", timeout=10)
+            assert after.status_code == 200, after.text
+            assert after.json()["tokens"] == before["tokens"]
+            assert after.json()["saved_tokens"] == before["saved_tokens"]
+            history.append({"role": "user", "content": USER_TURNS[2]})
+            got = chat(server.url, history, session="s")
+            want = chat(reference.url, history)
+            assert got["choices"][0]["message"] == want["choices"][0]["message"]
+            assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        finally:
+            server.kill()
     finally:
         reference.stop()

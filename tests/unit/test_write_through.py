@@ -144,9 +144,9 @@ def test_hybrid_write_through_cut_anywhere_restores_a_verified_prefix(hybrid, hy
     written: list = []
     real = engine.tiers.transfers.write
 
-    def spy(records, waiter=None, touch=()):
+    def spy(records, waiter=None, touch=(), after=()):
         written.extend(records)
-        return real(records, waiter, touch)
+        return real(records, waiter, touch, after)
 
     engine.tiers.transfers.write = spy
     turn1 = words(41, seed=101)
@@ -198,3 +198,36 @@ def test_offload_to_disk_writes_pinned_session_chains(tiny, cold, tmp_path):
     got, last = run(restarted, turn2)
     assert got == run(cold, turn2)[0] and last.num_cached_tokens == 48
     restarted.stop()
+
+
+def _session_crash_restart(build, ckpt, ref, folder) -> tuple[int, int]:
+    """A turn naming session "s", a crash, a restart, the next turn: returns (saved_tokens
+    after the restart, cached tokens of the next turn); asserts the name resolves to the
+    first turn and the next answer equals recompute."""
+    engine = build(ckpt, host_tier_bytes=0, state_dir=folder)
+    turn1 = words(41, seed=121)
+    outs = engine.run_until_idle([GenerationRequest("t1", turn1, greedy(), session="s")])
+    answer = sum((o.token_ids for o in outs["t1"]), [])
+    crash(engine)
+    restarted = build(ckpt, host_tier_bytes=0, state_dir=folder)
+    session = restarted.sessions.get("s")
+    assert session.tokens == (turn1 + answer)[:48]
+    turn2 = turn1 + answer + words(9, seed=122)
+    got, last = run(restarted, turn2)
+    assert got == run(ref, turn2)[0]
+    restarted.check_integrity()
+    restarted.stop()
+    return session.saved_tokens, last.num_cached_tokens
+
+
+def test_a_named_session_survives_a_crash_by_name(tiny, cold, tmp_path):
+    """Write-through marks a named session saved once its turn's chain is on disk (no
+    save call, no shutdown), so after a crash the name comes back with its chain."""
+    assert _session_crash_restart(make_engine, tiny, cold, tmp_path) == (48, 48)
+
+
+def test_a_named_hybrid_session_survives_a_crash_by_name(hybrid, hybrid_cold, tmp_path):
+    """As above for a hybrid: the saved positions are those of its newest checkpoint on
+    disk (the generation end), and the next turn restores from it."""
+    saved, cached = _session_crash_restart(hybrid_engine, hybrid, hybrid_cold, tmp_path)
+    assert saved == 48 and cached == 48

@@ -104,22 +104,30 @@ class StateWiring:
             log.info("session %s not pinned: over the budget of %d pages", name,
                      self.pins.budget_pages)
 
-    def _share(self, seq: Sequence) -> None:
-        """With the remote tier: write the state a finished request computed through to
-        Redis (the pages it does not hold yet, the tail, checkpoints), so the next turn
-        restores there on whichever replica it lands. A refusal (queue full, too big,
-        Redis down) costs that replica a recompute, never an error."""
-        from flare.state.tiers import SaveRefused
+    def _write_through(self, seq: Sequence, named: bool) -> None:
+        """At a finish: queue the state `seq` computed for the tier below (write-through
+        to disk, or shared through Redis), the records it lacks only. A named session
+        (`named`) is marked saved once that write is done, so after a crash its name
+        comes back with its chain (the session file is replaced atomically). A refusal
+        costs a recompute later, never an error."""
+        tokens = seq.token_ids[:seq.num_computed]
+        on_written = None
+        if named:
+            name, sessions = seq.request.session, self.sessions
 
+            def on_written(covered: int) -> None:
+                if covered:
+                    sessions.mark_saved(name, tokens, covered)
         try:
-            self.tiers.save(seq.token_ids[:seq.num_computed])
-            self.remote_tier.stats.shares += 1
-        except SaveRefused:
-            self.remote_tier.stats.share_refused += 1
+            self.tiers.write_through(tokens, on_written)
         except Exception:
-            log.exception("writing %s's state through to the remote tier failed",
+            log.exception("writing %s's state through to the tier below failed",
                           seq.request_id)
-            self.remote_tier.stats.share_refused += 1
+            if self.remote_tier is not None:
+                self.remote_tier.stats.share_refused += 1
+            return
+        if self.remote_tier is not None:
+            self.remote_tier.stats.shares += 1
 
     def save_session(self, name: str) -> tuple[Any, int]:
         """Engine thread only (`call`): write session `name`'s state to the disk tier.

@@ -287,12 +287,11 @@ class StepLoop:
         if error is None:  # a failed step may have left this sequence's last page half written
             self._publish_tail(seq)
             self._checkpoint(seq)  # end of generation: the state at num_computed
-            if self.tiers is not None:
-                self.tiers.write_through(seq.token_ids[:seq.num_computed])
-            if seq.request.session is not None and reason != "abort":
+            named = seq.request.session is not None and reason != "abort"
+            if named:
                 self._keep_session(seq)
-            if self.remote_tier is not None and self.tiers is not None and reason != "abort":
-                self._share(seq)
+            if self.tiers is not None:
+                self._write_through(seq, named)
         self.scheduler.finish(seq)
         del self._seqs[seq.request_id]
         seq.finish_reason = reason  # type: ignore[assignment]

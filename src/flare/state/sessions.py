@@ -6,7 +6,9 @@ last sampled token). The name then lets a client:
 
 - save that state to the disk tier (`POST /v1/sessions/NAME/save`), so it survives a
   restart; the next request that resends the conversation restores it through the normal
-  lookup (the state is found by its tokens, never by the name);
+  lookup (the state is found by its tokens, never by the name). With write-through (the
+  default with a state folder) every finished turn is saved so, without a call: the name
+  is marked saved once the turn's chain is written, so it survives even a SIGKILL;
 - keep it on the device: its pages (and checkpoint) are pinned (`SessionPins`), within a
   budget of pages; a request that would pin past it is refused;
 - fork it (`POST /v1/sessions/NAME/fork`): the new name starts from the same state, which
@@ -224,9 +226,18 @@ class SessionRegistry:
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
+                _fsync_dir(self.path.parent)  # the rename survives a power loss too
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class SessionPins:

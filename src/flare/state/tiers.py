@@ -40,8 +40,9 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from flare.state.admission import Outcome
 from flare.state.prefix_index import common_prefix, page_key
@@ -184,6 +185,17 @@ class _Part:
     partial: bool = False  # a full page lending only its first end - start positions
 
 
+class _ChainPart(NamedTuple):
+    """One record of a finished chain that write-through may queue."""
+
+    order: tuple[int, int]  # (page index, 1 for a checkpoint after its page)
+    key: bytes
+    make: Callable[[], "StateRecord"]  # the host copy, made only when it is queued
+    nbytes: int  # estimated record bytes
+    end: int  # token position after the positions it covers
+    kind: str
+
+
 @dataclass
 class PromoteResult:
     """What `TierStore.promote` did for one lookup.
@@ -239,7 +251,8 @@ class TierStore:
             finished sequence's chain (`write_through`), is also written to disk in the
             background, so a crash keeps the recent working set (`flare.state.tiers`
             module notes, "Write-through"); the attribute `write_through_on` may be set
-            later (before the first step).
+            later (before the first step). Finished chains always go through to a shared
+            tier below (the Redis remote tier, `share_finished`), demotions do not.
 
     All methods but the transfer worker's run on the engine thread.
     """
@@ -255,9 +268,12 @@ class TierStore:
         self.page_size = index.page_size
         self.stats = TierStats()
         self.write_through_on = write_through
+        # the next replica's turn restores from Redis: every finish is shared there
+        self.share_finished = getattr(disk, "tier_name", "disk") == "remote"
         # pushed out of the host tier (or written through), not yet handed to the worker
         self._outbox: dict[bytes, StateRecord] = {}
         self._touch: list[bytes] = []  # stored keys to mark used after those writes
+        self._after: list[Callable[[], None]] = []  # run by the worker after those writes
 
     # ---- demote -------------------------------------------------------------------------
 
@@ -297,32 +313,39 @@ class TierStore:
         many writes, and a busy disk merges work instead of filling the queue), up to
         `WRITE_BEHIND_BYTES`, beyond which the oldest are dropped. `force`: send now
         (flush, shutdown)."""
-        if not self._outbox and not self._touch:
+        if not self._outbox and not self._touch and not self._after:
             return
-        if self.write_through_on and not force and self.transfers.num_pending_writes:
+        if self._writes_behind and not force and self.transfers.num_pending_writes:
             self._bound_outbox()
             return
         records, self._outbox = list(self._outbox.values()), {}
         touch, self._touch = self._touch, []
-        if self.transfers.write(records, touch=tuple(touch)) is None:
+        after, self._after = self._after, []
+        if self.transfers.write(records, touch=tuple(touch), after=tuple(after)) is None:
             self.stats.dropped_records += len(records)
+
+    @property
+    def _writes_behind(self) -> bool:
+        return self.write_through_on or self.share_finished
 
     @property
     def writes_ready(self) -> bool:
         """Records wait for the worker and no write ticket is pending: the engine's idle
         loop steps once more to send them."""
-        return bool(self._outbox or self._touch) and self.transfers is not None \
+        return bool(self._outbox or self._touch or self._after) \
+            and self.transfers is not None \
             and not self.transfers.num_pending_writes
 
     def _bound_outbox(self) -> None:
         """Drop the oldest waiting records beyond `WRITE_BEHIND_BYTES` (counted as
-        dropped), and the oldest touches beyond `MAX_TOUCHES`."""
+        dropped), and the oldest touches (and completion callbacks) beyond `MAX_TOUCHES`."""
         size = sum(r.nbytes for r in self._outbox.values())
         while size > WRITE_BEHIND_BYTES and self._outbox:
             rec = self._outbox.pop(next(iter(self._outbox)))
             size -= rec.nbytes
             self.stats.dropped_records += 1
         del self._touch[:-MAX_TOUCHES]
+        del self._after[:-MAX_TOUCHES]
 
     def flush(self, timeout: float = 60.0) -> int:
         """Write every host record to disk and wait for it (tests, shutdown). Returns the
@@ -335,12 +358,21 @@ class TierStore:
         self.transfers.wait_idle(timeout)
         return len(drained)
 
-    def write_through(self, tokens: list[int]) -> int:
+    def write_through(self, tokens: list[int],
+                      on_written: Callable[[int], object] | None = None) -> int:
         """Queue for disk, in the background, the state of `tokens` (a finished
         sequence's computed tokens) that the disk tier does not hold yet: its full pages
         and tail on the device, and, for hybrid recipes, every checkpoint along it (the
         prompt end and the token before it, the generation end, grid points). Sent with
-        the step's other writes by `submit_writes`.
+        the step's other writes by `submit_writes`. With the Redis remote tier below
+        (`share_finished`) this is how a finished request's state is shared: only the
+        records Redis lacks are sent.
+
+        `on_written`: called on the transfer worker once that write ticket is done, with
+        the positions of `tokens` the tier below now holds whole (KV: the longest prefix
+        of pages; hybrids: the largest checkpoint with every page below it; 0: none). A
+        named session is marked saved there, so its name is durable only after its chain.
+        Not called when the write is dropped (a full queue).
 
         Order: records by position, each checkpoint after the page holding its last
         position, so a crash part-way leaves the longest usable prefix; then the whole
@@ -348,35 +380,47 @@ class TierStore:
         drops a conversation's end before the pages it hangs from. A chain larger than
         the disk budget is written only as far as it fits (it would otherwise evict its
         own beginning). Returns the records queued (0 without write-through)."""
-        if not self.write_through_on or self.transfers is None:
+        if not self._writes_behind or self.transfers is None:
             return 0
         parts = self._chain_parts(tokens)
         if not parts:
             return 0
         budget, total, fit = self.disk.budget_bytes, 0, []
         for part in parts:
-            total += part[3]
+            total += part.nbytes
             if total > budget * 0.9:  # room for the record headers
                 self.stats.write_through_capped += 1
                 break
             fit.append(part)
-        keys = [p[1] for p in fit]
+        keys = [p.key for p in fit]
         have = self.disk.offered(keys) | set(self._outbox)
-        if self.transfers is not None:
-            have |= {r.key for r in self.transfers.pending_writes()}
+        have |= {r.key for r in self.transfers.pending_writes()}
         queued = 0
-        for _, key, make, _ in fit:
-            if key not in have:
-                self._outbox[key] = make()
+        for part in fit:
+            if part.key not in have:
+                self._outbox[part.key] = part.make()
                 queued += 1
         self._touch += keys[::-1]
+        if on_written is not None:
+            self._after.append(lambda: on_written(self._covered(fit)))
         self.stats.written_through += queued
         return queued
 
-    def _chain_parts(self, tokens: list[int]) -> list[tuple[tuple[int, int], bytes, object, int]]:
-        """(order, key, record maker, estimated bytes) of each part of `tokens`' state the
-        device holds: full pages from the root while listed, the tail, the checkpoints
-        along them; sorted by order (page index, checkpoints after their page)."""
+    def _covered(self, parts: list[_ChainPart]) -> int:
+        """Positions the tier below holds whole of a chain's `parts` (in order): the end
+        of the longest stored prefix of them, for hybrids its largest checkpoint."""
+        stored, covered = self.disk.contains_many([p.key for p in parts]), 0
+        for p in parts:
+            if p.key not in stored:
+                break
+            if self.checkpoints is None or p.kind == CHECKPOINT:
+                covered = max(covered, p.end)
+        return covered
+
+    def _chain_parts(self, tokens: list[int]) -> list[_ChainPart]:
+        """Each part of `tokens`' state the device holds: full pages from the root while
+        listed, the tail, the checkpoints along them; sorted by order (page index,
+        checkpoints after their page)."""
         index, ps, kv = self.index, self.page_size, self.kv
         per_token = kv.layout.kv_bytes_per_token
         parent, pos, parts = index.root, 0, []
@@ -385,23 +429,27 @@ class TierStore:
             node = index.node(page_key(parent, tuple(tokens[pos:pos + ps])))
             if node is None:
                 break
-            parts.append(((pos // ps, 0), node.key,
-                          lambda n=node: page_record(kv, n), ps * per_token))
+            parts.append(_ChainPart((pos // ps, 0), node.key,
+                                    lambda n=node: page_record(kv, n), ps * per_token,
+                                    pos + ps, PAGE))
             parent, pos = node.key, pos + ps
             chain.append(parent)
         rest = tuple(tokens[pos:])
         node = index.tail_node(parent, rest) if rest else None
         if node is not None:
-            parts.append(((pos // ps, 0), tail_key(parent, node.tokens),
-                          lambda n=node: page_record(kv, n), len(node.tokens) * per_token))
             pos += len(rest)
+            parts.append(_ChainPart(((pos - len(rest)) // ps, 0), tail_key(parent, node.tokens),
+                                    lambda n=node: page_record(kv, n),
+                                    len(node.tokens) * per_token, pos, TAIL))
         ckpts = self.checkpoints
         if ckpts is not None:
             size = ckpts.states.bytes_per_slot
             for c in ckpts.along(tokens, chain, pos):
-                parts.append((((c.position - 1) // ps, 1), checkpoint_key(c.parent, c.tail),
-                              lambda c=c: checkpoint_record(ckpts.states, c), size))
-        parts.sort(key=lambda p: p[0])
+                parts.append(_ChainPart(((c.position - 1) // ps, 1),
+                                        checkpoint_key(c.parent, c.tail),
+                                        lambda c=c: checkpoint_record(ckpts.states, c), size,
+                                        c.position, CHECKPOINT))
+        parts.sort(key=lambda p: p.order)
         return parts
 
     def save(self, tokens: list[int]) -> tuple["Ticket | None", int]:

@@ -48,6 +48,8 @@ class Ticket:
             order (the last becomes the most recently used; write-through passes a
             chain deepest first, so the disk tier's LRU drops chain ends before the
             pages they hang from).
+        after: writes: called on the worker once the records are written and touched
+            (write-through uses it to mark a named session saved only after its chain).
     """
 
     kind: str
@@ -59,6 +61,7 @@ class Ticket:
     error: str | None = None
     payload: tuple["StateRecord", ...] = ()
     touch: tuple[bytes, ...] = ()
+    after: tuple[Callable[[], None], ...] = ()
 
 
 @dataclass
@@ -122,17 +125,19 @@ class TransferQueue:
         return ticket
 
     def write(self, records: list["StateRecord"], waiter: str | None = None,
-              touch: tuple[bytes, ...] = ()) -> Ticket | None:
+              touch: tuple[bytes, ...] = (),
+              after: tuple[Callable[[], None], ...] = ()) -> Ticket | None:
         """A write ticket storing `records` on disk, in order (parents before children),
-        then marking the stored records of `touch` used, in that order (`Ticket.touch`).
-        Returns None when the queue is full."""
+        then marking the stored records of `touch` used, in that order (`Ticket.touch`),
+        then calling each of `after` (`Ticket.after`). Returns None when the queue is
+        full (nothing is called then)."""
         with self._lock:
             if len(self._pending) >= self.max_pending:
                 self.stats.enqueue_rejected += 1
                 return None
             ticket = Ticket("write", tuple(r.key for r in records),
                             {waiter} if waiter else set(), payload=tuple(records),
-                            touch=tuple(touch))
+                            touch=tuple(touch), after=tuple(after))
             self._pending.append(ticket)
             self.stats.writes_submitted += 1
         self._jobs.put(ticket)
@@ -225,3 +230,8 @@ class TransferQueue:
                     self.stats.bytes_written += rec.nbytes
         if ticket.touch:
             self.disk.touch_many(list(ticket.touch))
+        for fn in ticket.after:  # tickets run in order: every earlier write is done too
+            try:
+                fn()
+            except Exception:
+                log.exception("write completion callback failed")

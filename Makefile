@@ -34,7 +34,7 @@ serve: setup
 		--host $(HOST) --port $(PORT) $(if $(WEIGHTS),--weights $(WEIGHTS))
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: setup
 	$(PY) bench/bench_engine.py

@@ -81,3 +81,13 @@ def test_zero_checkpoint_flags_are_accepted_for_a_kv_only_recipe(tmp_path: Path,
     plan = json.loads((out / "manifest.json").read_text())["plan"]
     assert (plan["state_slots"], plan["checkpoint_slots"], plan["checkpoint_interval"]) == (
         0, 0, 0)
+
+
+def test_an_unknown_plan_keyword_fails_before_anything_is_loaded(tmp_path: Path):
+    """`prepare_package` passes its plan keywords on to `make_plan`: a misspelt one is a
+    TypeError naming it before the (here missing) model is even looked at."""
+    from flare.prepare.package import prepare_package
+
+    with pytest.raises(TypeError, match=r"max_seqs_len.*make_plan takes max_seq_len, "):
+        prepare_package(tmp_path / "no-such-model", tmp_path / "pkg", max_seqs_len=64)
+    assert not (tmp_path / "pkg").exists()

@@ -7,6 +7,8 @@ written by prepare is the memory serve will use for its pools.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -254,3 +256,18 @@ def memory_report(
             f"{device_bytes:,} bytes"
         )
     return report
+
+
+def check_plan_keywords(plan_kwargs: Mapping[str, Any]) -> None:
+    """Refuse keywords `make_plan` does not take, so `prepare_package` and `write_package`
+    (which pass theirs on to it, `make_plan` being the one place that names and defaults
+    them) fail before a slow load rather than after.
+
+    Raises:
+        TypeError: naming the unknown keywords and the known ones.
+    """
+    known = [n for n in inspect.signature(make_plan).parameters if n not in ("config", "dtype")]
+    unknown = sorted(set(plan_kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"unknown plan option(s) {', '.join(unknown)}; make_plan takes "
+                        f"{', '.join(known)}")

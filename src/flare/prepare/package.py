@@ -53,9 +53,8 @@ from flare.models.quant.formats import (
 from flare.models.quant.sizes import serving_weight_bytes
 from flare.models.quant.storage import convert_tensors
 from flare.models.recipe import RECIPE_VERSIONS, is_hybrid_recipe, recipe_for
-from flare.package.plan import (DEFAULT_DISK_TIER_BYTES, DEFAULT_HOST_TIER_BYTES,
-                                CapacityPlan, dtype_from_name, dtype_name, layout_for,
-                                make_plan, memory_report)
+from flare.package.plan import (CapacityPlan, check_plan_keywords, dtype_from_name,
+                                dtype_name, layout_for, make_plan, memory_report)
 from flare.prepare.runtime_base import runtime_base_bytes
 from flare.package.reader import WEIGHTS_NAME, check_state_layout
 from flare.runtime.boot import usable_cores
@@ -150,22 +149,15 @@ def write_package(
     ckpt: Checkpoint,
     out_dir: Path,
     *,
-    max_seq_len: int | None = None,
-    max_num_seqs: int = 8,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    max_batch_tokens: int = 512,
     model_name: str | None = None,
     device: str = "cpu",
     progress: bool = True,
-    checkpoint_slots: int | None = None,
-    checkpoint_interval: int | None = None,
-    host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
-    disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
     weights: str | None = None,
+    **plan_kwargs: Any,
 ) -> Manifest:
     """Plan, tune and write a package from a loaded checkpoint (its tensors' dtype is the
     serving dtype). See `prepare_package` for arguments and errors."""
+    check_plan_keywords(plan_kwargs)
     out_dir = Path(out_dir)
     _refuse_foreign_folder(out_dir)
     serving_dtype = dtype_name(next(iter(ckpt.tensors.values())).dtype)
@@ -184,11 +176,7 @@ def write_package(
                                              device=device)
 
     _stage("planning", progress)
-    plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                     page_size=page_size, num_pages=num_pages,
-                     max_batch_tokens=max_batch_tokens, dtype=serving_dtype,
-                     checkpoint_slots=checkpoint_slots, checkpoint_interval=checkpoint_interval,
-                     host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes)
+    plan = make_plan(ckpt.config, dtype=serving_dtype, **plan_kwargs)
     layout = layout_for(ckpt.config, plan)
     attention = _decode_attention_tuning(ckpt, plan, device, recipe, progress)
     capture = graph_capture_for(device, plan, recipe,
@@ -244,20 +232,12 @@ def prepare_package(
     model_path: Path,
     out_dir: Path,
     *,
-    max_seq_len: int | None = None,
-    max_num_seqs: int = 8,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    max_batch_tokens: int = 512,
     dtype: str = "float32",
     model_name: str | None = None,
     device: str = "cpu",
     progress: bool = True,
-    checkpoint_slots: int | None = None,
-    checkpoint_interval: int | None = None,
-    host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
-    disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
     weights: str | None = None,
+    **plan_kwargs: Any,
 ) -> Manifest:
     """Build a runtime package from a GGUF file or a Hugging Face folder.
 
@@ -269,28 +249,26 @@ def prepare_package(
         model_path: `.gguf` file or Hugging Face folder.
         out_dir: package folder to create; an existing package there is replaced
             atomically (a temporary sibling folder is renamed into place).
-        max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens: capacity plan
-            (see `flare.package.plan.make_plan`; None = its default).
         dtype: serving dtype name: "float32", "bfloat16" or "float16".
         model_name: overrides the name taken from the file or folder.
         device: "cpu" or "cuda[:N]": the device class the package is prepared for; its
             total memory bounds the plan.
-        checkpoint_slots, checkpoint_interval: hybrid recipes' checkpoint state slots and
-            prefill checkpoint interval in tokens (None = `make_plan`'s default: 2 x
-            max_num_seqs and 256; 0 = none; a non-zero value for a KV-only recipe raises
-            ValueError).
-        host_tier_bytes, disk_tier_bytes: budgets of the host and disk tiers of endpoint
-            states (bytes; 0 = no such tier; flare.state.tiers).
         weights: weight format of the linear layers, "full", "fp16", "q4", "q4x8" or
             "q8x8" (`flare.models.quant`); None = `default_weight_format`: on CPU with
             float32 for recipe `llama` "q4x8" for a GGUF of Q4_1 / Q4_0 layers, "q8x8"
             for one of Q8_0 layers, else "fp16"; "full" elsewhere. Recorded as
             tuning["weights"].
+        plan_kwargs: the capacity plan, as `flare.package.plan.make_plan`'s keywords and
+            defaults (max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens;
+            hybrid recipes' checkpoint_slots and checkpoint_interval, where a non-zero
+            value for a KV-only recipe raises ValueError; host_tier_bytes and
+            disk_tier_bytes, 0 = no such tier).
 
     Returns:
         The written manifest.
 
     Raises:
+        TypeError: a keyword `make_plan` does not take (before anything is loaded).
         FileNotFoundError: model path or a file it needs is missing.
         ValueError: bad dtype or plan value, a plan that does not fit the device,
             unsupported model, a weight format that does not apply (named), or `out_dir`
@@ -298,20 +276,16 @@ def prepare_package(
         PackageError: `device` is CUDA on a machine without CUDA.
     """
     torch_dtype = dtype_from_name(dtype)
-    checkpoint_format(Path(model_path))  # fail before the slow load
+    check_plan_keywords(plan_kwargs)  # fail before the slow load
+    checkpoint_format(Path(model_path))
     device_class_of(device)
     if weights is not None and weights not in WEIGHT_FORMATS:  # fail before the slow load
         check_weight_format(weights, dtype=dtype, device=device, recipe="llama")
     _refuse_foreign_folder(Path(out_dir))
     _stage(f"loading {model_path}", progress)
     ckpt = load_checkpoint(Path(model_path), dtype=torch_dtype, progress=progress)
-    return write_package(ckpt, out_dir, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                         page_size=page_size, num_pages=num_pages,
-                         max_batch_tokens=max_batch_tokens, model_name=model_name,
-                         device=device, progress=progress, checkpoint_slots=checkpoint_slots,
-                         checkpoint_interval=checkpoint_interval,
-                         host_tier_bytes=host_tier_bytes, disk_tier_bytes=disk_tier_bytes,
-                         weights=weights)
+    return write_package(ckpt, out_dir, model_name=model_name, device=device,
+                         progress=progress, weights=weights, **plan_kwargs)
 
 
 def _refuse_foreign_folder(out_dir: Path) -> None:
@@ -380,7 +354,7 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
 
     Args:
         weights: weight format (None: the recipe's default, see `prepare_package`).
-        plan_kwargs: max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens.
+        plan_kwargs: `make_plan`'s keywords, as `prepare_package`.
 
     Returns:
         The package folder.

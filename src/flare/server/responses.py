@@ -15,7 +15,10 @@ budget (`--max-pinned-pages`), saved to the disk tier as soon as it is complete 
 public object, the conversation as chat messages, its exact text and token ids: prompt
 plus every generated token) is kept in memory and, with a disk tier, in one JSON file per
 response under `responses-<package>/` in the state folder (written atomically; at most
-`MAX_STORED_RESPONSES`, the oldest forgotten first).
+`MAX_STORED_RESPONSES`, the oldest forgotten first). With a remote tier (`--remote-tier`)
+each record is also published in Redis (`flare.state.remote_responses`), so a
+`previous_response_id` that a gateway sends to another replica is found there, and its
+state restored from the remote tier by its tokens.
 
 `previous_response_id`: the request sends only its new items. The conversation is the
 stored one plus those items, rendered by the model's chat template; when that rendering
@@ -79,6 +82,7 @@ from flare.server.responses_protocol import (
 )
 from flare.server.streaming import Tally, flare_extension
 from flare.server.tool_calls import ContentEvent, Event
+from flare.state.remote_responses import DELETED, RemoteResponses
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +121,16 @@ class ResponseStore:
     Args:
         folder: where the records live (None: in memory only).
         limit: most records kept; `put` beyond it forgets the oldest.
+        shared: a `flare.state.remote_responses.RemoteResponses` (the replicas' Redis), or
+            None. Records are published there too, and a record this replica lacks is
+            looked up there (so a continuation may land on any replica).
     """
 
-    def __init__(self, folder: Path | None, limit: int = MAX_STORED_RESPONSES) -> None:
+    def __init__(self, folder: Path | None, limit: int = MAX_STORED_RESPONSES,
+                 shared: Any = None) -> None:
         self.folder = folder
         self.limit = limit
+        self.shared = shared
         self._lock = threading.Lock()
         self._records: OrderedDict[str, StoredResponse] = OrderedDict()
         if folder is not None:
@@ -142,14 +151,33 @@ class ResponseStore:
             self._records[rec.id] = rec
 
     def get(self, response_id: str) -> StoredResponse | None:
-        """The record, or None when there is none (a bad id included)."""
+        """The record, or None when there is none (a bad id included). With `shared`, Redis
+        is asked first (one round trip: call this off the event loop): a record deleted on
+        another replica is dropped here too, one this replica lacks is taken from there."""
         with self._lock:
-            return self._records.get(response_id)
+            rec = self._records.get(response_id)
+        if self.shared is None or not _ID.fullmatch(response_id):
+            return rec
+        status, found = self.shared.get(response_id)
+        if status == DELETED:
+            if rec is not None:
+                with self._lock:
+                    self._records.pop(response_id, None)
+                self._unlink(response_id)
+            return None
+        if rec is not None or found is None:  # Redis down or the record expired: ours
+            return rec
+        try:
+            return StoredResponse(**found)
+        except TypeError:  # another Flare version's record: continue from scratch
+            return None
 
     def put(self, rec: StoredResponse) -> list[str]:
         """Keep `rec` (written before it is listed); returns the ids forgotten to stay
         within the limit."""
         self._write(rec)
+        if self.shared is not None:
+            self.shared.put(rec.id, asdict(rec))
         with self._lock:
             self._records[rec.id] = rec
             old = []
@@ -160,11 +188,13 @@ class ResponseStore:
         return old
 
     def delete(self, response_id: str) -> bool:
-        """Forget a record; False when there was none."""
+        """Forget a record (here and in `shared`); False when there was none."""
         with self._lock:
             found = self._records.pop(response_id, None) is not None
         if found:
             self._unlink(response_id)
+        if self.shared is not None and _ID.fullmatch(response_id):
+            found = self.shared.delete(response_id) or found
         return found
 
     def __len__(self) -> int:
@@ -234,7 +264,8 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
     if has_sessions and getattr(core.sessions, "path", None) is not None:
         digest = core.sessions.namespace[:16] or "default"
         folder = core.sessions.path.parent / f"responses-{digest}"
-    store = ResponseStore(folder)
+    remote = getattr(core, "remote_tier", None)
+    store = ResponseStore(folder, shared=None if remote is None else RemoteResponses(remote))
     background: set[asyncio.Task] = set()
     tokenizer = engine.tokenizer
 
@@ -270,6 +301,12 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
             pass
         await on_engine(lambda: core.pins.release(name))
 
+    async def forget_deleted(response_id: str) -> None:
+        """Unpin a response another replica deleted (its record is gone; its pin here, if
+        this replica served it, would otherwise hold pages for nobody)."""
+        if store.shared is not None and _ID.fullmatch(response_id):
+            await forget_session(response_id)
+
     async def keep(rec: StoredResponse, parent_id: str | None, session: str | None) -> None:
         """Store `rec`; move the chain's pin to it; save its state to disk."""
         for old in await asyncio.to_thread(store.put, rec):
@@ -291,8 +328,9 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
         gen.check_model(body.model)
         parent = None
         if body.previous_response_id is not None:
-            parent = store.get(body.previous_response_id)
+            parent = await asyncio.to_thread(store.get, body.previous_response_id)
             if parent is None:
+                await forget_deleted(body.previous_response_id)
                 raise _not_found(body.previous_response_id, "previous_response_id")
         history = parent.messages if parent is not None else []
         new, origin = input_messages(body.input, known_calls=call_ids(history))
@@ -417,8 +455,9 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         """A stored response; 404 when it is unknown, deleted or forgotten."""
-        rec = store.get(response_id)
+        rec = await asyncio.to_thread(store.get, response_id)
         if rec is None:
+            await forget_deleted(response_id)
             raise _not_found(response_id)
         return rec.body
 

@@ -39,11 +39,12 @@ stream's deltas always reassemble into the non-streamed message):
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from flare.server.json_object_scan import Malformed, ObjectScanner
 
 
 @dataclass(frozen=True)
@@ -104,71 +105,6 @@ def settled_reason(engine_reason: str | None, num_calls: int, strict: bool) -> s
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-# --------------------------------------------------------------------------- JSON scanning
-
-
-class _Malformed(Exception):
-    pass
-
-
-_OUTSIDE_STRING = re.compile(r'[\s{}\[\]:,0-9eE+\-.truefalsn]')
-_STRING_STOP = re.compile(r'["\\]')
-
-
-class _ObjectScanner:
-    """Finds where one top-level JSON object ends, reading text incrementally.
-
-    Braces inside strings do not count, escapes are honoured, and a character that can never
-    appear outside a JSON string (such as `<` of markup) fails the scan at once. It checks
-    shape, not full JSON grammar: the complete object is then parsed with `json.loads`.
-    """
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
-
-    def feed(self, text: str, start: int) -> int | None:
-        """Scan `text[start:]`; the index just past the closing brace, or None for more.
-
-        Raises:
-            _Malformed: the text cannot be (the rest of) one JSON object.
-        """
-        i, n = start, len(text)
-        while i < n:
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                    i += 1
-                    continue
-                m = _STRING_STOP.search(text, i)
-                if m is None:
-                    return None
-                i = m.end()
-                if m.group() == "\\":
-                    self.escape = True
-                else:
-                    self.in_string = False
-                continue
-            c = text[i]
-            i += 1
-            if c.isspace():
-                continue
-            if self.depth == 0 and c != "{":
-                raise _Malformed(c)
-            if c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i
-            elif not _OUTSIDE_STRING.match(c):
-                raise _Malformed(c)
-        return None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -317,7 +253,7 @@ class HermesParser(ToolCallParser):
                  max_calls: int | None = None, strict: bool = False) -> None:
         super().__init__(tool_names, max_calls, strict)
         self._state = "text"  # text | call | after
-        self._scanner = _ObjectScanner()
+        self._scanner = ObjectScanner()
         self._scanned = 0
         self._obj_end = 0
         self._pending: ToolCall | None = None
@@ -337,7 +273,7 @@ class HermesParser(ToolCallParser):
                 if k >= 0:
                     self._content(buf[:k])
                     self._buf = buf[k:]
-                    self._state, self._scanner = "call", _ObjectScanner()
+                    self._state, self._scanner = "call", ObjectScanner()
                     self._scanned = len(self.OPEN)
                     continue
                 cut = len(buf) - (0 if final else _partial_suffix(buf, self.OPEN))
@@ -347,7 +283,7 @@ class HermesParser(ToolCallParser):
             if self._state == "call":
                 try:
                     end = self._scanner.feed(buf, self._scanned)
-                except _Malformed:
+                except Malformed:
                     self._reject()
                     continue
                 if end is None:
@@ -391,7 +327,7 @@ class Llama3JsonParser(ToolCallParser):
                  max_calls: int | None = None, strict: bool = False) -> None:
         super().__init__(tool_names, max_calls, strict)
         self._state = "start"  # start | text | calls | after | next
-        self._scanner = _ObjectScanner()
+        self._scanner = ObjectScanner()
         self._scanned = 0
         self._pending: ToolCall | None = None
 
@@ -413,7 +349,7 @@ class Llama3JsonParser(ToolCallParser):
                     return  # whitespace or a partial tag so far
                 if head.startswith("{"):
                     self._buf, self._state = head, "calls"
-                    self._scanner, self._scanned = _ObjectScanner(), 0
+                    self._scanner, self._scanned = ObjectScanner(), 0
                 elif not head and not final:
                     return
                 else:
@@ -422,7 +358,7 @@ class Llama3JsonParser(ToolCallParser):
             if self._state == "calls":
                 try:
                     end = self._scanner.feed(buf, self._scanned)
-                except _Malformed:
+                except Malformed:
                     end = -1
                 if end is None and not final:
                     self._scanned = len(buf)
@@ -443,7 +379,7 @@ class Llama3JsonParser(ToolCallParser):
                     return
                 self._buf = head
                 if head.startswith("{"):
-                    self._state, self._scanner, self._scanned = "calls", _ObjectScanner(), 0
+                    self._state, self._scanner, self._scanned = "calls", ObjectScanner(), 0
                 else:
                     self._state = "text"  # words after the calls are content
                 continue

@@ -1,5 +1,6 @@
 """A local Flare cluster: one redis-server, N `flare serve` replicas of one package sharing
-conversation states through it (--remote-tier), and SGLang's gateway `smg` in front.
+conversation states through it (--remote-tier), and SGLang's gateway `smg` in front (its
+HTTP worker mode, which lists the replicas' model on its /v1/models; docs/scale-out.md).
 
     python scripts/cluster.py up   [--run-dir .cluster] [--replicas 2] [--policy cache_aware]
                                    [--package PKG | (the embedded model)] [--api-key KEY]
@@ -167,16 +168,16 @@ def up(args: argparse.Namespace) -> int:
         # smg binds its Prometheus exporter on 0.0.0.0:29000 unless told: loopback, free port
         gw = [smg, "launch", "--host", "127.0.0.1", "--port", str(gport),
               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
-              "--backend", "openai", "--policy", args.policy, "--worker-urls", *urls,
+              "--policy", args.policy, "--worker-urls", *urls,
               "--health-check-endpoint", "/health", "--health-check-interval-secs", "5"]
-        if args.api_key:  # smg sends it to the workers, and discovers their models with it
+        if args.api_key:  # smg discovers the workers' model with it (callers send theirs)
             gw += ["--api-key", args.api_key]
         proc = spawn(gw, run / "gateway.log")
         record("gateway", proc)
         state["gateway_url"] = f"http://127.0.0.1:{gport}"
         (run / STATE).write_text(json.dumps(state, indent=2))
-        # /health, not /v1/models: smg 1.13.0 answers 503 there (docs/scale-out.md)
-        wait_http(state["gateway_url"] + "/health", proc, run / "gateway.log", headers)
+        # its /v1/models answers 200 once a replica is discovered and healthy
+        wait_http(state["gateway_url"] + "/v1/models", proc, run / "gateway.log", headers)
     except BaseException:
         down(args)
         raise

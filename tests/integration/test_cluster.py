@@ -1,7 +1,8 @@
 """A real cluster on 127.0.0.1: redis-server, two `flare serve` replicas of the embedded
-package with --remote-tier, SGLang's gateway `smg` (cache_aware) in front, and a
---no-prefix-cache server as the reference. Greedy, short answers; one cluster for the
-module. Skipped when redis-server or smg is missing, except in CI (CI=true): a failure."""
+package with --remote-tier, SGLang's gateway `smg` (cache_aware, its HTTP worker mode: see
+docs/scale-out.md for why not `--backend openai`) in front, and a --no-prefix-cache server
+as the reference. Greedy, short answers; one cluster for the module. Skipped when
+redis-server or smg is missing, except in CI (CI=true): a failure."""
 
 from __future__ import annotations
 
@@ -38,16 +39,17 @@ def cluster(smollm2_package, tmp_path_factory):
         gw = subprocess.Popen(
             [smg, "launch", "--host", "127.0.0.1", "--port", str(port),
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-             "--backend", "openai", "--policy", "cache_aware", "--worker-urls", a.url, b.url,
+             "--policy", "cache_aware", "--worker-urls", a.url, b.url,
              "--health-check-interval-secs", "2", "--log-level", "warn"],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
-        while True:
+        while True:  # both replicas discovered (their model) and healthy
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
+                if sum(w["is_healthy"] and bool(w["models"]) for w in workers) == 2:
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             assert gw.poll() is None and time.monotonic() < deadline, \
                 (root / "gateway.log").read_text()[-3000:]
@@ -64,10 +66,19 @@ def cluster(smollm2_package, tmp_path_factory):
         redis.stop()
 
 
-def chat(c: dict, url: str, messages: list[dict], max_tokens: int = 8) -> dict:
+def chat(c: dict, url: str, messages: list[dict], max_tokens: int = 8, **extra) -> dict:
     r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "model": c["model"], "messages": messages, "max_tokens": max_tokens,
-        "temperature": 0})
+        "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def respond(c: dict, url: str, text: str, previous: str | None = None) -> dict:
+    body = {"model": c["model"], "input": text, "max_output_tokens": 6, "temperature": 0}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    r = httpx.post(url + "/v1/responses", timeout=120, json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -117,6 +128,51 @@ def test_gateway_session_of_ten_turns_reuses_every_turn_after_the_first(cluster)
             assert cached(body) > 0, f"turn {turn} reused nothing"
         messages += [{"role": "assistant", "content": text(body)},
                      {"role": "user", "content": f"Next ({turn})."}]
+
+
+def test_gateway_lists_the_model(cluster):
+    c = cluster
+    r = httpx.get(c["gateway"] + "/v1/models", timeout=10)
+    assert r.status_code == 200, r.text
+    assert [m["id"] for m in r.json()["data"]] == [c["model"]]
+
+
+def test_previous_response_id_continues_on_the_other_replica(cluster):
+    c = cluster
+    first = respond(c, c["a"].url, "Name a colour of the sea.")
+    written_through(c["a"].url)
+    second = respond(c, c["b"].url, "And of the sky?", first["id"])  # found through Redis
+    assert second["flare"]["continuation"] == "exact"
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    written_through(c["b"].url)
+    third = respond(c, c["a"].url, "And of grass?", second["id"])
+    assert third["flare"]["continuation"] == "exact"
+    assert third["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert httpx.delete(c["b"].url + f"/v1/responses/{third['id']}", timeout=10).json()[
+        "deleted"]
+    assert httpx.get(c["a"].url + f"/v1/responses/{third['id']}",  # a had its own copy
+                     timeout=10).status_code == 404
+
+
+def test_responses_and_sessions_through_the_gateway_reuse_every_turn(cluster):
+    c = cluster
+    previous = None
+    for turn in range(4):
+        body = respond(c, c["gateway"], f"Turn {turn}: one word, please.", previous)
+        if turn:
+            assert body["flare"]["continuation"] == "exact", turn
+            assert body["usage"]["input_tokens_details"]["cached_tokens"] > 0, turn
+        previous = body["id"]
+    messages = [SYSTEM, {"role": "user", "content": "Spell a short word, letter by letter."}]
+    for turn in range(4):
+        body = chat(c, c["gateway"], messages, max_tokens=6, session="cluster-agent")
+        if turn:
+            assert cached(body) > 0, f"turn {turn} reused nothing"
+        messages += [{"role": "assistant", "content": text(body)},
+                     {"role": "user", "content": "Go on."}]
+    for replica in ("a", "b"):  # the name is shared: either replica can report it
+        got = httpx.get(c[replica].url + "/v1/sessions/cluster-agent", timeout=10)
+        assert got.status_code == 200 and got.json()["tokens"] > 0, (replica, got.text)
 
 
 def test_redis_killed_mid_workload_no_errors_answers_equal_recompute_and_back(cluster):

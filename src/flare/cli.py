@@ -318,7 +318,7 @@ def _remote_tier(args: argparse.Namespace):  # -> RemoteTierConfig | None
     """
     if not args.remote_tier:
         return None
-    from flare.state.remote_tier import RemoteTierConfig
+    from flare.state.remote_link import RemoteTierConfig
 
     return RemoteTierConfig(args.remote_tier, password=args.remote_tier_password,
                             budget_bytes=args.remote_tier_mib << 20,

@@ -18,7 +18,7 @@ from flare.loading.checkpoint import load_checkpoint
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
-from flare.state.remote_tier import RemoteTierConfig
+from flare.state.remote_link import RemoteTierConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
 from hybrid_models import RECIPES, build_tiny_hybrid  # noqa: E402
@@ -75,7 +75,7 @@ def move_to_replica_b(build, ckpt, redis: RedisProcess, seed: int):
         turn1 = words(41, seed)
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         outs = a.run_until_idle([GenerationRequest("t1", turn1, params, session="conv")])
-        answer = sum((o.token_ids for o in outs["t1"]), [])
+        answer = [t for o in outs["t1"] for t in o.token_ids]
         settle(a)
         turn2 = turn1 + answer + words(9, seed + 100)
         got, last = run(b, turn2, "t2")

@@ -14,7 +14,9 @@ from redis_process import RedisProcess
 
 from flare.state import disk_records
 from flare.state.disk_records import StateRecord
-from flare.state.remote_tier import RemoteSessions, RemoteTier, RemoteTierConfig
+from flare.state.remote_link import RemoteTierConfig
+from flare.state.remote_sessions import RemoteSessions
+from flare.state.remote_tier import RemoteTier
 
 NS, LAYOUT = "pkg-a", '{"layers": 2}'
 

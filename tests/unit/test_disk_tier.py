@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flare.state import disk_records, disk_tier
+from flare.state import disk_records, disk_recovery, disk_tier
 from flare.state.disk_tier import DiskTier, StateRecord
 from flare.state.prefix_index import page_key, root_key
 
@@ -313,7 +313,7 @@ def test_leftover_temp_files_and_orphans_are_deleted_at_open(tmp_path):
 
 
 def test_rejected_folder_keeps_only_the_newest_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_tier, "REJECTED_KEEP", 2)
+    monkeypatch.setattr(disk_recovery, "REJECTED_KEEP", 2)
     records = [_record(seed=i) for i in range(3)]
     with _tier(tmp_path) as tier:
         for r in records:

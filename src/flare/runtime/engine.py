@@ -48,9 +48,11 @@ from flare.runtime.step_loop import SeqText, StepLoop
 from flare.state.admission import CostPolicy, DeviceReuse, ReuseCounters
 from flare.state.checkpoints import CheckpointIndex
 from flare.state.disk_tier import DiskTier
-from flare.state.remote_tier import RemoteSessions, RemoteTier, RemoteTierConfig
 from flare.state.pools import KVCache, PagePool
 from flare.state.prefix_index import PrefixIndex
+from flare.state.remote_link import RemoteTierConfig
+from flare.state.remote_sessions import RemoteSessions
+from flare.state.remote_tier import RemoteTier
 from flare.state.sessions import SessionPins, SessionRegistry
 from flare.state.slots import StateSlotPool
 from flare.state.tiers import TierStore

@@ -14,7 +14,8 @@ from flare.runtime.request import RequestRejected
 from flare.runtime.sequence import Sequence
 from flare.state.admission import DeviceReuse
 from flare.state.disk_tier import DiskTier
-from flare.state.remote_tier import RemoteTier, RemoteTierConfig
+from flare.state.remote_link import RemoteTierConfig
+from flare.state.remote_tier import RemoteTier
 from flare.state.sessions import MAX_SESSIONS
 from flare.state.tiers import TierStore
 from flare.state.transfer import TransferQueue
@@ -150,7 +151,7 @@ class StateWiring:
         `finish_session_saves`. A session that cannot be saved is logged and skipped;
         `wait` > 0: on a full queue, wait up to that long for it to drain, then once more
         (shutdown; on the step loop it would stall every request)."""
-        from flare.state.tiers import SaveRefused
+        from flare.state.chain_writes import SaveRefused
 
         tiers, done = self.tiers, []
         if tiers is None or tiers.transfers is None:

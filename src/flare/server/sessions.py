@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request
 
 from flare.server.api_error import ApiError
 from flare.state.sessions import SessionError
-from flare.state.tiers import SaveRefused
+from flare.state.chain_writes import SaveRefused
 
 SAVE_TIMEOUT_S = 120.0
 

@@ -55,7 +55,7 @@ class TierPromoter(Protocol):
     def promote(self, tokens: list[int], limit: int, waiter: str,
                 ticket: "Ticket | None" = None) -> Any:
         """Bring the part of `tokens[:limit]`'s state held below the device into the device
-        pools when worth its cost; returns a `flare.state.tiers.PromoteResult`."""
+        pools when worth its cost; returns a `flare.state.promotion.PromoteResult`."""
 
 
 class Outcome(str, enum.Enum):

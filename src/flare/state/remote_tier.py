@@ -24,10 +24,10 @@ once. A session name is one hash field written in one command after every record
 chain was written: two replicas saving one name at once leave one complete session.
 Redis Cluster is not supported (the scripts touch keys they compute).
 
-Faults. Every call has a short socket timeout (`timeout_s`). A failure marks the tier
-down (logged once, counted): while down, calls return "absent" at once without touching
-the network, so serving goes on without the tier (recompute, never an error), and a
-monitor thread pings every `ping_interval_s` and marks it up again when Redis answers.
+Faults (`flare.state.remote_link`): a failed or timed-out call marks the tier down;
+while down, calls return "absent" at once, so serving goes on without the tier
+(recompute, never an error), until the monitor reaches Redis again. The Lua scripts are
+in `flare.state.remote_scripts`, the shared session names in `flare.state.remote_sessions`.
 The index calls the engine thread makes (contains, children) are single round trips;
 record bytes move only on the transfer worker (`flare.state.transfer`).
 """
@@ -36,180 +36,40 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from urllib.parse import urlsplit
+from dataclasses import dataclass
 
 from flare.state import disk_records as rec
+from flare.state import remote_scripts
 from flare.state.disk_records import KINDS, RecordError, StateRecord
+from flare.state.record_stats import RecordTierStats
+from flare.state.remote_link import RedisLink, RemoteTierConfig, _Down
 
-__all__ = ["RemoteTier", "RemoteTierConfig", "RemoteTierStats", "RemoteSessions",
-           "DEFAULT_BYTES_PER_S"]
+__all__ = ["DEFAULT_BYTES_PER_S", "RemoteTier", "RemoteTierStats"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BYTES_PER_S = 1e8  # assumed until the first probe or read measures it
 _EWMA = 0.3  # weight of the newest bandwidth sample
 
-# KEYS: none (computed from ARGV[1], the prefix). ARGV: prefix, key hex, record bytes,
-# meta, parent hex, kind, budget bytes, nbytes. Returns {status, evicted}: status 1 stored,
-# 0 already stored (touched), -1 larger than the budget.
-_PUT = """
-local p, h = ARGV[1], ARGV[2]
-local rk = p .. ':r:' .. h
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-if redis.call('HEXISTS', p .. ':m', h) == 1 and redis.call('EXISTS', rk) == 1 then
-  redis.call('ZADD', p .. ':lru', now, h)
-  return {0, 0}
-end
-local n, budget = tonumber(ARGV[8]), tonumber(ARGV[7])
-if n > budget then return {-1, 0} end
-local used = tonumber(redis.call('GET', p .. ':bytes') or '0')
-local evicted = 0
-while used + n > budget do
-  local old = redis.call('ZPOPMIN', p .. ':lru')
-  if #old == 0 then used = 0 break end
-  local oh = old[1]
-  local m = redis.call('HGET', p .. ':m', oh)
-  redis.call('DEL', p .. ':r:' .. oh)
-  redis.call('HDEL', p .. ':m', oh)
-  if m then
-    local kind, parent, _, nb = string.match(m, '^(%S+) (%S+) (%S+) (%S+)')
-    redis.call('SREM', p .. ':c:' .. parent .. ':' .. kind, oh)
-    used = used - tonumber(nb)
-  end
-  evicted = evicted + 1
-end
-redis.call('SET', rk, ARGV[3])
-redis.call('HSET', p .. ':m', h, ARGV[4])
-redis.call('SADD', p .. ':c:' .. ARGV[5] .. ':' .. ARGV[6], h)
-redis.call('ZADD', p .. ':lru', now, h)
-redis.call('SET', p .. ':bytes', used + n)
-return {1, evicted}
-"""
-
-# ARGV: prefix, key hex. Deletes a record and its index entries; returns 1 if it existed.
-_REMOVE = """
-local p, h = ARGV[1], ARGV[2]
-local m = redis.call('HGET', p .. ':m', h)
-redis.call('DEL', p .. ':r:' .. h)
-redis.call('ZREM', p .. ':lru', h)
-if not m then return 0 end
-redis.call('HDEL', p .. ':m', h)
-local kind, parent, _, nb = string.match(m, '^(%S+) (%S+) (%S+) (%S+)')
-redis.call('SREM', p .. ':c:' .. parent .. ':' .. kind, h)
-redis.call('DECRBY', p .. ':bytes', tonumber(nb))
-return 1
-"""
-
-# ARGV: prefix, key hex. Touch (LRU) a record that was just read and verified.
-_TOUCH = """
-local t = redis.call('TIME')
-if redis.call('HEXISTS', ARGV[1] .. ':m', ARGV[2]) == 1 then
-  redis.call('ZADD', ARGV[1] .. ':lru', tonumber(t[1]) * 1000000 + tonumber(t[2]), ARGV[2])
-end
-return 1
-"""
-
-# ARGV: prefix, key hex... Touch (LRU) the indexed ones of many records in one call.
-_TOUCH_MANY = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local n = 0
-for i = 2, #ARGV do
-  if redis.call('HEXISTS', ARGV[1] .. ':m', ARGV[i]) == 1 then
-    redis.call('ZADD', ARGV[1] .. ':lru', now, ARGV[i])
-    n = n + 1
-  end
-end
-return n
-"""
-
-
-@dataclass(frozen=True)
-class RemoteTierConfig:
-    """Where and how big the remote tier is (`flare serve --remote-tier ...`).
-
-    Attributes:
-        url: `redis://[user:password@]HOST:PORT/DB` or `rediss://...` (TLS).
-        password: overrides a password in the URL (None: the URL's, or none).
-        budget_bytes: most bytes of records kept in Redis for this package and layout
-            (give every replica the same figure: each enforces its own on its writes).
-        timeout_s: socket connect and command timeout, seconds.
-        ping_interval_s: while down, how often the monitor retries, seconds.
-        tls_ca: a CA file for `rediss://` (None: the system's).
-
-    Raises:
-        ValueError: a URL that is not redis:// or rediss://, a budget < 0, a timeout <= 0.
-    """
-
-    url: str
-    password: str | None = None
-    budget_bytes: int = 1 << 30
-    timeout_s: float = 0.25
-    ping_interval_s: float = 1.0
-    tls_ca: str | None = None
-
-    def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-            raise ValueError(f"--remote-tier must be redis://HOST:PORT/DB or "
-                             f"rediss://HOST:PORT/DB, got {self.redacted()!r}")
-        if self.budget_bytes < 0:
-            raise ValueError(f"remote tier budget must be >= 0 bytes, got {self.budget_bytes}")
-        if self.timeout_s <= 0 or self.ping_interval_s <= 0:
-            raise ValueError("remote tier timeouts must be > 0 seconds")
-
-    def redacted(self) -> str:
-        """The URL with any password replaced by '***' (for logs and errors)."""
-        parts = urlsplit(self.url)
-        if parts.password is None:
-            return self.url
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-
 
 @dataclass
-class RemoteTierStats:
-    """Counters since this RemoteTier was opened (`as_stats` names them
-    `remote_tier_<field>_total`). `rejected_*` count records rejected whole, by reason
-    (`disk_records.REASONS`), as the disk tier does."""
+class RemoteTierStats(RecordTierStats):
+    """`RecordTierStats` since this RemoteTier was opened, and the link's and sharing
+    counters (`as_stats` names them `remote_tier_<field>_total`)."""
 
-    written: int = 0
-    write_failures: int = 0
-    refused: int = 0
-    touched: int = 0
-    read_hits: int = 0
-    read_misses: int = 0
-    evicted: int = 0
-    removed: int = 0
     errors: int = 0  # Redis calls that failed (connection, timeout, server error)
     skipped: int = 0  # calls answered "absent" without Redis because it was down
     outages: int = 0  # up -> down transitions
     shares: int = 0  # finished requests whose state was written through (engine)
     share_refused: int = 0  # write-throughs refused (transfer queue full, too big)
     reconnects: int = 0  # down -> up transitions
-    rejected_checksum: int = 0
-    rejected_truncated: int = 0
-    rejected_namespace: int = 0
-    rejected_version: int = 0
-    rejected_layout: int = 0
-    rejected_missing: int = 0
-    rejected_malformed: int = 0
-    rejected_io: int = 0
 
 
-class _Down(Exception):
-    """Internal: the tier is down; the caller answers its default."""
-
-
-class RemoteTier:
+class RemoteTier(RedisLink):
     """Records of one namespace and layout in Redis, at most `budget_bytes` in all.
 
     Args:
@@ -229,83 +89,21 @@ class RemoteTier:
     def __init__(self, config: RemoteTierConfig, namespace: str, layout: str,
                  on_bandwidth: Callable[[float], None] = lambda bps: None,
                  client: object | None = None) -> None:
-        self.config = config
         self.namespace, self.layout = namespace, layout
         self.budget_bytes = config.budget_bytes
         self.format_version = rec.FORMAT_VERSION
         self.prefix = "flare:" + hashlib.blake2b(f"{namespace}\n{layout}".encode(),
                                                  digest_size=8).hexdigest()
-        self.stats = RemoteTierStats()
         self.bytes_per_s = DEFAULT_BYTES_PER_S
         self.on_bandwidth = on_bandwidth
-        self._lock = threading.Lock()  # counters, state transitions
-        self._up = False
-        self._closed = threading.Event()
-        self._client = client if client is not None else _make_client(config)
-        self._put = self._client.register_script(_PUT)
-        self._remove = self._client.register_script(_REMOVE)
-        self._touch = self._client.register_script(_TOUCH)
-        self._touch_many = self._client.register_script(_TOUCH_MANY)
-        self._check()
+        super().__init__(config, RemoteTierStats(), client)
+        self._put = self._client.register_script(remote_scripts.PUT)
+        self._remove = self._client.register_script(remote_scripts.REMOVE)
+        self._touch = self._client.register_script(remote_scripts.TOUCH)
+        self._touch_many = self._client.register_script(remote_scripts.TOUCH_MANY)
         if self._up:
             self._probe()
-        self._monitor = threading.Thread(target=self._watch, name="flare-remote-tier",
-                                         daemon=True)
-        self._monitor.start()
-
-    # ---- health -------------------------------------------------------------------------
-
-    @property
-    def up(self) -> bool:
-        """Whether Redis answered the last call (False: serving without the tier)."""
-        return self._up
-
-    def health(self) -> str:
-        """"ok" or "down"."""
-        return "ok" if self._up else "down"
-
-    def _check(self) -> bool:
-        try:
-            self._client.ping()
-        except Exception as exc:  # redis.RedisError, OSError: Redis is not there
-            self._mark_down(exc)
-            return False
-        self._mark_up()
-        return True
-
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._lock:
-            self.stats.errors += 1
-            was_up, self._up = self._up, False
-            if was_up or self.stats.outages == 0:
-                self.stats.outages += 1
-                log.warning("remote tier %s unreachable (%s): serving without it until it "
-                            "answers again", self.config.redacted(), exc)
-
-    def _mark_up(self) -> None:
-        with self._lock:
-            was_up, self._up = self._up, True
-            if not was_up:
-                if self.stats.outages:
-                    self.stats.reconnects += 1
-                log.info("remote tier %s is up", self.config.redacted())
-
-    def _watch(self) -> None:
-        while not self._closed.wait(self.config.ping_interval_s):
-            if not self._up:
-                self._check()
-
-    def _call(self, fn: Callable[[], object]) -> object:
-        """Run one Redis call; raises _Down (counted) when the tier is or goes down."""
-        if not self._up or self._closed.is_set():
-            with self._lock:
-                self.stats.skipped += 1
-            raise _Down
-        try:
-            return fn()
-        except Exception as exc:  # any client error: the tier is unusable for now
-            self._mark_down(exc)
-            raise _Down from None
+        self.start_monitor()
 
     def _probe(self) -> None:
         """Measure read bandwidth once with 1 MiB (a scratch key, deleted after)."""
@@ -487,7 +285,7 @@ class RemoteTier:
                 self.stats.written += 1
         return status != -1
 
-    def touch_many(self, keys: "set[bytes] | list[bytes]") -> None:
+    def touch_many(self, keys: set[bytes] | list[bytes]) -> None:
         """Mark indexed records of `keys` used now (LRU), one call per 500 keys; a save
         of a conversation whose pages are stored already touches them instead of
         rewriting them (nothing while down)."""
@@ -507,22 +305,11 @@ class RemoteTier:
         except _Down:
             pass
 
-    def close(self) -> None:
-        """Stop the monitor and close the connections (idempotent)."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._monitor.join(timeout=2)
-        try:
-            self._client.close()
-        except Exception:
-            pass
-
     def as_stats(self) -> dict[str, int]:
         """Counters as `remote_tier_<field>_total`, the gauge `remote_tier_up` (0/1) and
         the measured read bandwidth `remote_tier_read_bytes_per_second`."""
         with self._lock:
-            out = {f"remote_tier_{k}_total": v for k, v in asdict(self.stats).items()}
+            out = self.stats.named("remote")
         out["remote_tier_up"] = int(self._up)
         out["remote_tier_budget_bytes"] = self.budget_bytes
         out["remote_tier_read_bytes_per_second"] = int(self.bytes_per_s)
@@ -557,75 +344,9 @@ class RemoteTier:
 
     def _reject(self, h: str, reason: str) -> None:
         log.warning("remote tier record %s rejected: %s", h, reason)
-        self._count(f"rejected_{reason}")
+        with self._lock:
+            self.stats.count_rejected(reason)
         self._call(lambda: self._remove(args=[self.prefix, h]))
-
-
-class RemoteSessions:
-    """Saved session names in Redis, shared by every replica of one package.
-
-    One hash field per name holds the JSON of the session's tokens, saved positions, the
-    save time and a BLAKE2b digest of them; it is written in one HSET after the records
-    of its chain were written, so a reader sees a whole session or none, and of two
-    replicas saving one name at once the later write wins whole. An entry that fails its
-    digest (or is not ours) is ignored and counted.
-
-    Args:
-        tier: the remote tier (its client, prefix and fault handling are shared).
-    """
-
-    def __init__(self, tier: RemoteTier) -> None:
-        self.tier = tier
-        self.key = tier.prefix + ":s"
-        self.rejected = 0
-
-    def put(self, name: str, tokens: list[int], saved_tokens: int) -> bool:
-        """Publish `name` -> (tokens, saved_tokens). False when Redis is down."""
-        body = {"namespace": self.tier.namespace, "tokens": [int(t) for t in tokens],
-                "saved_tokens": int(saved_tokens), "saved_at": time.time()}
-        body["digest"] = _session_digest(body)
-        data = json.dumps(body, separators=(",", ":"))
-        try:
-            self.tier._call(lambda: self.tier._client.hset(self.key, name, data))
-        except _Down:
-            return False
-        return True
-
-    def get(self, name: str) -> tuple[list[int], int, float] | None:
-        """(tokens, saved_tokens, saved_at) of `name`, or None: absent, down or damaged."""
-        try:
-            raw = self.tier._call(lambda: self.tier._client.hget(self.key, name))
-        except _Down:
-            return None
-        if raw is None:
-            return None
-        try:
-            body = json.loads(raw)
-            ok = (body["namespace"] == self.tier.namespace
-                  and body["digest"] == _session_digest(body))
-            tokens = [int(t) for t in body["tokens"]]
-            saved = int(body["saved_tokens"])
-            at = float(body["saved_at"])
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            self.rejected += 1
-            log.warning("remote session %r ignored: damaged or not this package's", name)
-            return None
-        return tokens, saved, at
-
-    def delete(self, name: str) -> None:
-        """Forget `name` (nothing if absent or down)."""
-        try:
-            self.tier._call(lambda: self.tier._client.hdel(self.key, name))
-        except _Down:
-            pass
-
-
-def _session_digest(body: dict) -> str:
-    core = json.dumps([body["namespace"], body["tokens"], body["saved_tokens"],
-                       body["saved_at"]], separators=(",", ":"))
-    return hashlib.blake2b(core.encode(), digest_size=16).hexdigest()
 
 
 def _parse_meta(m: bytes | None, with_nbytes: bool = False):
@@ -642,18 +363,3 @@ def _parse_meta(m: bytes | None, with_nbytes: bool = False):
         return None
 
 
-def _make_client(config: RemoteTierConfig):
-    """A `redis.Redis` from the URL: short timeouts, no retries (a failure marks the tier
-    down at once; the monitor reconnects)."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    kwargs = dict(socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s,
-                  retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                  health_check_interval=0)
-    if config.password is not None:
-        kwargs["password"] = config.password
-    if config.url.startswith("rediss://") and config.tls_ca:
-        kwargs["ssl_ca_certs"] = config.tls_ca
-    return redis.Redis.from_url(config.url, **kwargs)

@@ -18,7 +18,7 @@ last sampled token). The name then lets a client:
 Names are validated (`SESSION_NAME`: letters, digits, `.`, `_`, `-`, at most 128) and are
 never used as paths: saved names are stored in one JSON file per package in the state
 folder, written atomically (temporary file, fsync, rename). With the Redis remote tier
-(`flare.state.remote_tier.RemoteSessions`) saved names are published there instead, so
+(`flare.state.remote_sessions.RemoteSessions`) saved names are published there instead, so
 every replica of the package sees them; the latest save of a name, on any replica, wins.
 """
 
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from flare.state.checkpoints import Checkpoint, CheckpointIndex
     from flare.state.pools import PagePool
-    from flare.state.remote_tier import RemoteSessions
+    from flare.state.remote_sessions import RemoteSessions
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FORMAT_VERSION = 1

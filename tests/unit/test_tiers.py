@@ -63,6 +63,18 @@ def two_turns(engine: Engine, seed: int = 1) -> tuple[list[int], list[int]]:
     return turn1, turn1 + answer + words(9, seed + 100)
 
 
+def assert_restored(engine: Engine, ids: list[int], ref: Engine, cached: int,
+                    tier: str = "disk", restores: int = 1) -> None:
+    """Run `ids` on `engine`: the answer equals `ref`'s (an engine without reuse), with
+    `cached` positions from `restores` restores out of `tier`; then check and stop it."""
+    got, last = run(engine, ids)
+    assert got == run(ref, ids)[0]
+    assert last.num_cached_tokens == cached
+    assert engine.stats()[f"tier_restores_{tier}_total"] == restores
+    engine.check_integrity()
+    engine.stop()
+
+
 def assert_accounting(engine: Engine) -> None:
     engine.check_integrity()
     assert engine.pool.num_used == engine.prefix_index.num_pages
@@ -186,18 +198,26 @@ def drive(engine: Engine, done, max_steps: int = 500) -> None:
     raise AssertionError(f"not done after {max_steps} steps")
 
 
-def test_cancel_during_restore_leaks_nothing_and_the_other_waiter_is_served(tiny, cold,
-                                                                           tmp_path):
-    engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
-    _, turn2 = two_turns(engine, seed=9)
+def _two_from_disk(engine: Engine, a: list[int], b: list[int]):
+    """Offload every cached state to disk, hold the transfer worker (`_gate`), submit
+    requests "a" and "b" and run one step (their lookups). Returns (the gate, their
+    outputs by request id)."""
     engine.offload()
     engine.tiers.flush()
     gate = _gate(engine)
     outs: dict[str, list] = {"a": [], "b": []}
     engine.on_output = lambda o: outs[o.request_id].append(o)
-    engine.add_request(GenerationRequest("a", turn2, greedy()))
-    engine.add_request(GenerationRequest("b", turn2, greedy()))
-    engine.step()  # both look up; both wait on one read ticket
+    engine.add_request(GenerationRequest("a", a, greedy()))
+    engine.add_request(GenerationRequest("b", b, greedy()))
+    engine.step()
+    return gate, outs
+
+
+def test_cancel_during_restore_leaks_nothing_and_the_other_waiter_is_served(tiny, cold,
+                                                                           tmp_path):
+    engine = make_engine(tiny, host_tier_bytes=0, state_dir=tmp_path)
+    _, turn2 = two_turns(engine, seed=9)
+    gate, outs = _two_from_disk(engine, turn2, turn2)  # both wait on one read ticket
     assert engine.stats()["transfer_reads_shared_total"] == 1
     assert engine.stats()["num_running"] == 0
     engine.abort("a")
@@ -222,14 +242,8 @@ def test_full_transfer_queue_is_enqueue_rejected_and_answers_correctly(tiny, col
                          write_through=False)
     _, first = two_turns(engine, seed=11)
     _, second = two_turns(engine, seed=12)
-    engine.offload()
-    engine.tiers.flush()
-    gate = _gate(engine)
-    outs: dict[str, list] = {"a": [], "b": []}
-    engine.on_output = lambda o: outs[o.request_id].append(o)
-    engine.add_request(GenerationRequest("a", first, greedy()))
-    engine.add_request(GenerationRequest("b", second, greedy()))
-    engine.step()  # a takes the one ticket; b finds the queue full and computes all
+    # a takes the one ticket; b finds the queue full and computes all
+    gate, outs = _two_from_disk(engine, first, second)
     gate.set()
     drive(engine, lambda: all(v and v[-1].finished for v in outs.values()))
     assert outs["b"][-1].reuse["outcome"] == "EnqueueRejected"
@@ -273,13 +287,8 @@ def test_hybrid_restore_equals_recompute(hybrid, hybrid_cold, tmp_path, where):
     assert len(engine.checkpoints) == 0
     if where == "disk":
         engine.tiers.flush()
-    got, last = run(engine, turn2)
-    assert got == run(hybrid_cold, turn2)[0]
     # the end-of-generation checkpoint of turn 1 sits at 48 (49 tokens, last not computed)
-    assert last.num_cached_tokens == 48
-    assert engine.stats()[f"tier_restores_{where}_total"] == 1
-    engine.check_integrity()
-    engine.stop()
+    assert_restored(engine, turn2, hybrid_cold, 48, where)
 
 
 def test_hybrid_layer_state_lost_in_transfer_means_clean_recompute(hybrid, hybrid_cold,
@@ -293,26 +302,7 @@ def test_hybrid_layer_state_lost_in_transfer_means_clean_recompute(hybrid, hybri
     disk = engine.tiers.disk
     real = disk.get
     disk.get = lambda key: None if key in set(disk.keys("checkpoint")) else real(key)
-    got, last = run(engine, turn2)
-    assert got == run(hybrid_cold, turn2)[0]
-    assert last.num_cached_tokens == 0
-    assert engine.stats()["tier_restores_disk_total"] == 0
-    engine.check_integrity()
-    engine.stop()
-
-
-def test_state_saved_at_shutdown_is_restored_after_restart(tiny, cold, tmp_path):
-    """serve --save-state-on-shutdown: what the device pool held is on disk after stop."""
-    engine = make_engine(tiny, state_dir=tmp_path)
-    _, turn2 = two_turns(engine, seed=41)
-    engine.save_state_on_stop = True
-    engine.stop()
-    restarted = make_engine(tiny, state_dir=tmp_path)
-    got, last = run(restarted, turn2)
-    assert got == run(cold, turn2)[0]
-    assert last.num_cached_tokens == 48
-    assert restarted.stats()["tier_restores_disk_total"] == 1
-    restarted.stop()
+    assert_restored(engine, turn2, hybrid_cold, 0, restores=0)
 
 
 @pytest.mark.parametrize("how", ["save", "shutdown"])

@@ -19,8 +19,9 @@ from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
 from flare.state.disk_tier import DiskTier
-from test_tiers import (PAGE, cold, greedy, hybrid, hybrid_cold,  # noqa: F401
-                        hybrid_engine, make_engine, run, tiny, two_turns, words)
+from test_tiers import (PAGE, assert_restored, cold, greedy, hybrid,  # noqa: F401
+                        hybrid_cold, hybrid_engine, make_engine, run, tiny, two_turns,
+                        words)
 
 
 def short_engine(ckpt, num_pages: int, **kw) -> Engine:
@@ -54,17 +55,17 @@ def crash(engine) -> None:
         engine.checkpoints.on_evict = None
 
 
-def test_a_clean_restart_restores_without_a_flag(tiny, cold, tmp_path):
+@pytest.mark.parametrize("save_on_stop", [False, True])
+def test_a_clean_restart_restores_with_or_without_the_shutdown_save(tiny, cold, tmp_path,
+                                                                   save_on_stop):
+    """A clean stop restores after a restart without a flag (write-through wrote the
+    chains), and with serve --save-state-on-shutdown (what the device pool held is on
+    disk after stop)."""
     engine = make_engine(tiny, state_dir=tmp_path)
     _, turn2 = two_turns(engine, seed=71)
-    engine.stop()  # no --save-state-on-shutdown
-    restarted = make_engine(tiny, state_dir=tmp_path)
-    got, last = run(restarted, turn2)
-    assert got == run(cold, turn2)[0]
-    assert last.num_cached_tokens == 48
-    assert restarted.stats()["tier_restores_disk_total"] == 1
-    restarted.check_integrity()
-    restarted.stop()
+    engine.save_state_on_stop = save_on_stop
+    engine.stop()
+    assert_restored(make_engine(tiny, state_dir=tmp_path), turn2, cold, 48)
 
 
 @pytest.mark.parametrize("write_through", [True, False])
@@ -207,7 +208,7 @@ def _session_crash_restart(build, ckpt, ref, folder) -> tuple[int, int]:
     engine = build(ckpt, host_tier_bytes=0, state_dir=folder)
     turn1 = words(41, seed=121)
     outs = engine.run_until_idle([GenerationRequest("t1", turn1, greedy(), session="s")])
-    answer = sum((o.token_ids for o in outs["t1"]), [])
+    answer = [t for o in outs["t1"] for t in o.token_ids]
     crash(engine)
     restarted = build(ckpt, host_tier_bytes=0, state_dir=folder)
     session = restarted.sessions.get("s")

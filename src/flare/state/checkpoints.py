@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from flare.state.pools import PoolExhausted
@@ -62,10 +62,11 @@ class Checkpoint:
 
 @dataclass
 class CheckpointStats:
+    """Counters of the checkpoint index (engine stats name them)."""
+
     published: int = 0
     evicted: int = 0
     failed: int = 0  # a copy into a checkpoint slot raised: nothing was published
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class CheckpointIndex:

@@ -8,6 +8,7 @@ the K and V tensors those indices point into. Neither knows about requests or HT
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sized
 
 import torch
 
@@ -18,7 +19,23 @@ class PoolExhausted(RuntimeError):
     """Raised when an allocation asks for more pages than are free."""
 
 
-class PagePool:
+class FreeListCounts:
+    """`num_free` and `num_used` of a pool of `_size` entries whose free ones are listed
+    in `_free` (the page pool here, the state slot pool in `flare.state.slots`)."""
+
+    _size: int
+    _free: Sized
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self._size - len(self._free)
+
+
+class PagePool(FreeListCounts):
     """A free list of `num_pages` page indices with reference counts.
 
     Invariants (checked by `check_integrity`): every page is either free (refcount 0, on
@@ -28,17 +45,9 @@ class PagePool:
     def __init__(self, num_pages: int) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.num_pages = num_pages
+        self.num_pages = self._size = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refcount = [0] * num_pages
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` free pages, each with refcount 1.

@@ -24,7 +24,7 @@ import itertools
 import logging
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flare.state.pools import PagePool
 
@@ -76,9 +76,10 @@ class PrefixMatch:
 
 @dataclass
 class PrefixIndexStats:
+    """Counters of the prefix index (engine stats name them)."""
+
     published_pages: int = 0
     evicted_pages: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class PrefixIndex:

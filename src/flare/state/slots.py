@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from flare.state.layout import StateLayout
-from flare.state.pools import PoolExhausted
+from flare.state.pools import FreeListCounts, PoolExhausted
 
 
-class StateSlotPool:
+class StateSlotPool(FreeListCounts):
     """`num_slots` state slots for every hybrid layer of a `StateLayout`.
 
     Layout: for each spec in `layout.layer_states`, `conv[spec.layer]` is a
@@ -46,7 +46,7 @@ class StateSlotPool:
             raise ValueError("the state layout has no conv or recurrent layers (KV-only "
                              "recipe): it needs no state slots")
         self.layout = layout
-        self.num_slots = num_slots
+        self.num_slots = self._size = num_slots
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         for spec in layout.layer_states:
@@ -60,15 +60,7 @@ class StateSlotPool:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives 0 first
         self._used = [False] * num_slots
 
-    # ---- accounting ---------------------------------------------------------------------
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_slots - len(self._free)
+    # ---- accounting (num_free, num_used: `FreeListCounts`) -----------------------------
 
     @property
     def bytes_per_slot(self) -> int:

@@ -1,10 +1,10 @@
 """The offline evidence verifier (`flare evidence verify`) on hand-built packets.
 
-`flare.evidence.synthetic` writes one valid packet and one packet per way a packet can be
-wrong (DEFECTS: missing observations, missing group, dropped failed request, clock domains
-mixed, coalesced events expanded, capacity mismatch, counters not conserved, summary
-disagreeing with raw data, truncated JSON Lines, ...), each naming the verdict and the
-check that must report it.
+`flare.evidence.synthetic` writes one valid packet, `synthetic_defects` one packet per way
+a packet can be wrong (DEFECTS: missing observations, missing group, dropped failed
+request, clock domains mixed, coalesced events expanded, capacity mismatch, counters not
+conserved, summary disagreeing with raw data, truncated JSON Lines, ...), each naming the
+verdict and the check that must report it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flare.cli import main as flare_main
-from flare.evidence import recompute, synthetic
+from flare.evidence import recompute, synthetic, synthetic_defects
 from flare.evidence.checks import Options
 from flare.evidence.clocks import CLIENT, SERVER, ClockDomainError, Stamp, span
 from flare.evidence.receipt import verifier_sources, verify
@@ -38,7 +38,7 @@ def statuses(receipt: dict) -> dict[str, str]:
 
 @pytest.fixture
 def good(tmp_path: Path) -> Path:
-    return synthetic.build(tmp_path / "good")
+    return synthetic_defects.build(tmp_path / "good")
 
 
 # --------------------------------------------------------------------------- the valid packet
@@ -77,7 +77,7 @@ def test_metric_is_the_median_client_ttft_of_ttft_512(good: Path):
 
 
 def test_metric_comes_from_observations_not_from_the_summary(tmp_path: Path):
-    folder = synthetic.build(tmp_path / "p", "summary-disagrees")
+    folder = synthetic_defects.build(tmp_path / "p", "summary-disagrees")
     receipt = verify(folder)
     summary = json.loads((folder / SUMMARY_FILE).read_text())
     claimed = summary["groups"]["ttft-512"]["ttft_client_ns"]["median"]
@@ -97,8 +97,8 @@ def _check(receipt: dict, name: str) -> dict:
 def test_resealed_1ns_move_of_one_event_fails_on_the_summary_binding(tmp_path: Path):
     # issue 7: one event's receive time moved by 1 ns, packet.json resealed, the harness's
     # summary kept. The move is chosen so that no figure of the summary changes.
-    folder = synthetic.build(tmp_path / "p", "resealed-1ns-move")
-    original = synthetic.build(tmp_path / "original")
+    folder = synthetic_defects.build(tmp_path / "p", "resealed-1ns-move")
+    original = synthetic_defects.build(tmp_path / "original")
     obs = [json.loads(line) for line in (folder / OBSERVATIONS_FILE).read_text().splitlines()]
     summary = json.loads((folder / SUMMARY_FILE).read_text())
     assert recompute.summarize(obs)["groups"] == summary["groups"]  # no figure changed
@@ -114,7 +114,7 @@ def test_resealed_1ns_move_of_one_event_fails_on_the_summary_binding(tmp_path: P
 
 def test_summary_figures_are_compared_exactly(tmp_path: Path):
     # the binding recomputed too: a median 0.5 ns off is a disagreement, not a rounding
-    folder = synthetic.build(tmp_path / "p", "rebound-half-ns-median")
+    folder = synthetic_defects.build(tmp_path / "p", "rebound-half-ns-median")
     receipt = verify(folder)
     assert receipt["verdict"] == "FAIL"
     findings = _check(receipt, "summary-agreement")["findings"]
@@ -125,7 +125,7 @@ def test_a_consistent_rewrite_is_invisible_offline_but_changes_the_receipt(tmp_p
     # The limit, stated in docs/evidence.md: whoever rewrites the observations, the summary
     # (figures and binding) and packet.json consistently makes a packet that verifies PASS.
     # Only an identity fixed before the edit shows it: a receipt's file sha256s.
-    original = synthetic.build(tmp_path / "original")
+    original = synthetic_defects.build(tmp_path / "original")
     before = verify(original)
     packet, obs = synthetic.parts()
     first = next(e for e in obs[0]["client"]["events"] if recompute.carries_tokens(e))
@@ -163,10 +163,10 @@ def test_summary_binds_the_bytes_the_writer_puts_in_observations_jsonl(good: Pat
 # --------------------------------------------------------------------------- negative packets
 
 
-@pytest.mark.parametrize("defect", sorted(synthetic.DEFECTS))
+@pytest.mark.parametrize("defect", sorted(synthetic_defects.DEFECTS))
 def test_each_defect_gives_its_verdict_and_names_its_check(tmp_path: Path, defect: str):
-    verdict, check, _, what = synthetic.DEFECTS[defect]
-    receipt = verify(synthetic.build(tmp_path / defect, defect))
+    verdict, check, _, what = synthetic_defects.DEFECTS[defect]
+    receipt = verify(synthetic_defects.build(tmp_path / defect, defect))
     assert receipt["verdict"] == verdict, (what, receipt["failing_checks"])
     assert receipt["exit_code"] == {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 2}[verdict]
     st = statuses(receipt)
@@ -205,7 +205,7 @@ def test_thresholds(good: Path):
 
 
 def test_an_inconclusive_packet_stays_inconclusive_with_a_threshold_met(tmp_path: Path):
-    folder = synthetic.build(tmp_path / "p", "dropped-failed-request")
+    folder = synthetic_defects.build(tmp_path / "p", "dropped-failed-request")
     receipt = verify(folder, Options(max_ms=1e9))
     assert receipt["verdict"] == "INCONCLUSIVE"
 
@@ -226,7 +226,7 @@ def test_other_metrics_and_groups(good: Path):
 
 def test_verifier_leaves_every_file_unchanged(tmp_path: Path):
     for name in (None, "truncated-jsonl", "summary-disagrees", "capacity-mismatch"):
-        folder = synthetic.build(tmp_path / str(name), name)
+        folder = synthetic_defects.build(tmp_path / str(name), name)
         before = tree_digest(folder)
         verify(folder)
         out = tmp_path / f"receipt-{name}.json"
@@ -266,14 +266,14 @@ def test_identities_against_package_and_corpus_files(good: Path, tmp_path: Path)
 
 
 def test_cli_exit_codes(tmp_path: Path, capsys):
-    good = synthetic.build(tmp_path / "good")
+    good = synthetic_defects.build(tmp_path / "good")
     assert flare_main(["evidence", "verify", str(good), "--out", str(tmp_path / "r.json")]) == 0
     receipt = json.loads((tmp_path / "r.json").read_text())
     assert receipt["verdict"] == "PASS"
-    fail = synthetic.build(tmp_path / "fail", "capacity-mismatch")
+    fail = synthetic_defects.build(tmp_path / "fail", "capacity-mismatch")
     assert flare_main(["evidence", "verify", str(fail)]) == 1
     assert json.loads(capsys.readouterr().out)["verdict"] == "FAIL"  # receipt on stdout
-    inc = synthetic.build(tmp_path / "inc", "truncated-jsonl")
+    inc = synthetic_defects.build(tmp_path / "inc", "truncated-jsonl")
     assert flare_main(["evidence", "verify", str(inc), "--out", str(tmp_path / "i.json")]) == 2
     # usage errors: 3, never 2 (which means INCONCLUSIVE)
     assert flare_main(["evidence", "verify", str(tmp_path / "nothing")]) == 3
@@ -300,7 +300,7 @@ def test_help_documents_exit_codes(capsys):
 
 
 def test_evidence_imports_nothing_from_server_engine_or_torch():
-    code = ("import sys, flare.evidence.receipt, flare.evidence.cli, flare.evidence.synthetic\n"
+    code = ("import sys, flare.evidence.receipt, flare.evidence.cli, flare.evidence.synthetic_defects\n"
             "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith("
             "('flare.server', 'flare.runtime', 'flare.models', 'flare.state', "
             "'flare.prepare', 'flare.loading', 'flare.qualify'))]\n"

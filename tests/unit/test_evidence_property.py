@@ -29,7 +29,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from flare.evidence import recompute, synthetic  # noqa: E402
+from flare.evidence import recompute, synthetic, synthetic_defects  # noqa: E402
 from flare.evidence.receipt import verify  # noqa: E402
 from flare.evidence.schema import EVIDENCE_FILES  # noqa: E402
 
@@ -39,7 +39,7 @@ SETTINGS = settings(max_examples=60, deadline=None, database=None,
 
 @pytest.fixture(scope="module")
 def good_packet(tmp_path_factory) -> Path:
-    folder = synthetic.build(tmp_path_factory.mktemp("evidence-prop") / "good")
+    folder = synthetic_defects.build(tmp_path_factory.mktemp("evidence-prop") / "good")
     assert verify(folder)["verdict"] == "PASS"
     return folder
 

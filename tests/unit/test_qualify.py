@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flare.evidence import synthetic
+from flare.evidence import synthetic, synthetic_defects
 from flare.evidence.checks import RESTARTED, check_counters, server_lifetimes
 from flare.evidence.clocks import CLIENT, SERVER, ClockDomainError
 from flare.evidence.receipt import verify
@@ -311,10 +311,10 @@ def test_verifier_sums_counters_over_server_lifetimes(tmp_path: Path):
     packet["server_state"] = [
         start,
         {"label": "offloaded:restart-restore", "client_ns": mid_ns - 1, "idle": True,
-         "state": synthetic._state(obs[:m], True)},
+         "state": synthetic.state_counts(obs[:m], True)},
         {"label": f"{RESTARTED}restart-restore", "client_ns": mid_ns, "idle": True,
-         "state": synthetic._state(obs, False)},
-        {**end, "state": synthetic._state(obs[m:], True)},
+         "state": synthetic.state_counts(obs, False)},
+        {**end, "state": synthetic.state_counts(obs[m:], True)},
     ]
     write_packet(tmp_path / "p", packet, obs)
     receipt = verify(tmp_path / "p")
@@ -335,7 +335,7 @@ def test_verifier_sums_counters_over_server_lifetimes(tmp_path: Path):
     assert r.status == "fail" and any("across the run" in f for f in r.findings)
     # a restart label on a server whose counters did not restart
     packet["server_state"][2]["label"] = f"{RESTARTED}restart-restore"
-    packet["server_state"][2]["state"] = synthetic._state(obs[:m], True)
+    packet["server_state"][2]["state"] = synthetic.state_counts(obs[:m], True)
     r = check_counters(p)
     assert r.status == "fail" and any("expected 0" in f for f in r.findings)
 
@@ -364,7 +364,7 @@ def test_written_packet_validates_and_its_summary_agrees(tmp_path: Path):
 
 
 def test_prepare_out_refuses_to_mix_two_runs(tmp_path: Path):
-    synthetic.build(tmp_path / "p")
+    synthetic_defects.build(tmp_path / "p")
     with pytest.raises(ValueError, match="already holds a packet"):
         prepare_out(tmp_path / "p", overwrite=False)
     prepare_out(tmp_path / "p", overwrite=True)
@@ -396,7 +396,7 @@ def test_corpus_is_small_realistic_and_identified():
 
 
 def test_report_renders_html_and_pngs(tmp_path: Path):
-    folder = synthetic.build(tmp_path / "p")
+    folder = synthetic_defects.build(tmp_path / "p")
     index, table = write_report(folder)
     assert index.is_file() and index.stat().st_size > 0
     html = index.read_text()
@@ -427,7 +427,7 @@ def test_qualify_cli_usage_and_report(tmp_path: Path, capsys):
                        "--no-cold"]) == 1
     assert not (tmp_path / "none" / PACKET_FILE).exists()
     assert "GET /v1/models failed" in capsys.readouterr().err
-    folder = synthetic.build(tmp_path / "p")
+    folder = synthetic_defects.build(tmp_path / "p")
     assert flare_main(["qualify", "report", str(folder)]) == 0
     assert "ttft-512" in capsys.readouterr().out
     assert (folder / "report" / "index.html").is_file()

@@ -1,7 +1,7 @@
 """Pieces shared by the hybrid recipes (`qwen3_5`, `qwen3_next`, `lfm2`): RMSNorm flavours,
-RoPE tables (full or partial), config-dict helpers, row-invariant activations, and the
-causal depthwise convolution that carries its last kernel-1 inputs from step to step in a
-state slot.
+RoPE tables (full or partial), config-dict helpers, the state layout and tensor names every
+such decoder has, row-invariant activations, and the causal depthwise convolution that
+carries its last kernel-1 inputs from step to step in a state slot.
 
 Every function works on the step's flat token list (see `AttentionBatch`): decode tokens
 first, one per sequence, then each prefill chunk; per-sequence state is addressed by the
@@ -21,11 +21,13 @@ row's values would depend on where it lies in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from flare.models.attention import AttentionBatch
+from flare.state.layout import LayerStateSpec, StateLayout
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,6 +119,45 @@ def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def layers_of(layer_types: Sequence[str], kind: str) -> tuple[int, ...]:
+    """Indices (0-based, over all layers) of the layers of `kind` in `layer_types`."""
+    return tuple(i for i, t in enumerate(layer_types) if t == kind)
+
+
+def hybrid_layout(config: Any, page_size: int, dtype: torch.dtype, *,
+                  kv_layers: tuple[int, ...], state_layers: tuple[int, ...],
+                  conv_shape: tuple[int, ...],
+                  recurrent_shape: tuple[int, ...] = ()) -> StateLayout:
+    """KV pages (`config.num_key_value_heads` heads of `config.head_dim`, `dtype`) for the
+    attention layers `kv_layers`; per layer of `state_layers` a conv state `conv_shape`
+    of `dtype` and, where `recurrent_shape` is given, a float32 recurrent state of that
+    shape (it accumulates)."""
+    return StateLayout(
+        num_kv_layers=len(kv_layers),
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        kv_layers=kv_layers,
+        layer_states=tuple(
+            LayerStateSpec(layer=i, conv_shape=conv_shape, conv_dtype=dtype,
+                           recurrent_shape=recurrent_shape, recurrent_dtype=torch.float32)
+            for i in state_layers),
+    )
+
+
+def decoder_tensor_names(config: Any, final_norm: str, layer_parts: Sequence[str]) -> set[str]:
+    """The tensor names a hybrid decoder of `config` has whatever its layers mix: the token
+    embedding, `final_norm`, the output layer unless tied, and per layer
+    `model.layers.{i}.` + each of `layer_parts` (its norms and MLP)."""
+    names = {"model.embed_tokens.weight", final_norm}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(len(config.layer_types)):
+        names |= {f"model.layers.{i}.{part}" for part in layer_parts}
+    return names
 
 
 def check_state_slots(batch: AttentionBatch) -> None:

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from flare.models.attention import AttentionBatch
-from flare.models.hybrid_common import causal_conv, eos_ids, rms_norm, rope_theta
+from flare.models.hybrid_common import (causal_conv, decoder_tensor_names, eos_ids, hybrid_layout,
+                                        layers_of, rms_norm, rope_theta)
 from flare.models.hybrid_decoder import (AttentionWeights, HybridBlock, HybridDecoder, SwiGLU,
                                          linear)
 from flare.models.quant.linear import Linear
-from flare.state.layout import LayerStateSpec, StateLayout
+from flare.state.layout import StateLayout
 from flare.models.weights import tensor_getter
 from flare.state.slots import StateSlotPool
 
@@ -114,40 +115,29 @@ class Lfm2Config:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+        return layers_of(self.layer_types, FULL)
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == CONV)
+        return layers_of(self.layer_types, CONV)
 
 
 def state_layout(config: Lfm2Config, page_size: int, dtype: torch.dtype) -> StateLayout:
     """KV pages for the attention layers; per conv layer a conv state
     [hidden, L_cache-1] of `dtype` (no recurrent state)."""
     c = config
-    return StateLayout(
-        num_kv_layers=len(c.attention_layers),
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        page_size=page_size,
-        dtype=dtype,
-        kv_layers=c.attention_layers,
-        layer_states=tuple(
-            LayerStateSpec(layer=i, conv_shape=(c.hidden_size, c.conv_L_cache - 1),
-                           conv_dtype=dtype)
-            for i in c.conv_layers),
-    )
+    return hybrid_layout(c, page_size, dtype, kv_layers=c.attention_layers,
+                         state_layers=c.conv_layers,
+                         conv_shape=(c.hidden_size, c.conv_L_cache - 1))
 
 
 def expected_tensor_names(config: Lfm2Config) -> set[str]:
     """Tensor names of an `Lfm2ForCausalLM` of `config`."""
-    names = {"model.embed_tokens.weight", "model.embedding_norm.weight"}
-    if not config.tie_word_embeddings:
-        names.add("lm_head.weight")
+    names = decoder_tensor_names(config, "model.embedding_norm.weight", (
+        "operator_norm.weight", "ffn_norm.weight", "feed_forward.w1.weight",
+        "feed_forward.w2.weight", "feed_forward.w3.weight"))
     for i, kind in enumerate(config.layer_types):
         p = f"model.layers.{i}."
-        names |= {p + "operator_norm.weight", p + "ffn_norm.weight"}
-        names |= {f"{p}feed_forward.w{n}.weight" for n in (1, 2, 3)}
         if kind == CONV:
             names |= {p + "conv.conv.weight", p + "conv.in_proj.weight",
                       p + "conv.out_proj.weight"}

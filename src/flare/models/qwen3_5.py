@@ -33,12 +33,13 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from flare.models.attention import AttentionBatch
-from flare.models.hybrid_common import (causal_conv, eos_ids, rms_norm, rms_norm_offset,
+from flare.models.hybrid_common import (causal_conv, decoder_tensor_names, eos_ids,
+                                        hybrid_layout, layers_of, rms_norm, rms_norm_offset,
                                         rope_theta, sigmoid, silu, softplus)
 from flare.models.hybrid_decoder import (AttentionWeights, HybridBlock, HybridDecoder, SwiGLU,
                                          linear)
 from flare.models.quant.linear import Linear
-from flare.state.layout import LayerStateSpec, StateLayout
+from flare.state.layout import StateLayout
 from flare.models.weights import tensor_getter
 from flare.state.slots import StateSlotPool
 
@@ -160,42 +161,32 @@ class Qwen3_5Config:
 
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+        return layers_of(self.layer_types, FULL)
 
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+        return layers_of(self.layer_types, LINEAR)
 
 
 def state_layout(config: Qwen3_5Config, page_size: int, dtype: torch.dtype) -> StateLayout:
     """KV pages for the full-attention layers; per DeltaNet layer a conv state
     [conv_dim, kernel-1] of `dtype` and a float32 recurrent state [Hv, Dk, Dv]."""
     c = config
-    rec = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-    return StateLayout(
-        num_kv_layers=len(c.full_attention_layers),
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        page_size=page_size,
-        dtype=dtype,
-        kv_layers=c.full_attention_layers,
-        layer_states=tuple(
-            LayerStateSpec(layer=i, conv_shape=(c.conv_dim, c.linear_conv_kernel_dim - 1),
-                           conv_dtype=dtype, recurrent_shape=rec,
-                           recurrent_dtype=torch.float32)
-            for i in c.linear_attention_layers),
-    )
+    return hybrid_layout(
+        c, page_size, dtype, kv_layers=c.full_attention_layers,
+        state_layers=c.linear_attention_layers,
+        conv_shape=(c.conv_dim, c.linear_conv_kernel_dim - 1),
+        recurrent_shape=(c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim))
 
 
 def expected_tensor_names(config: Qwen3_5Config) -> set[str]:
     """Tensor names of a `Qwen3_5ForCausalLM` of `config` (after `text_model_tensors`)."""
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        names.add("lm_head.weight")
+    names = decoder_tensor_names(config, "model.norm.weight", (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+        "mlp.up_proj.weight", "mlp.down_proj.weight"))
     for i, kind in enumerate(config.layer_types):
         p = f"model.layers.{i}."
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
         if kind == LINEAR:
             a = p + "linear_attn."
             names |= {a + n for n in ("A_log", "dt_bias", "conv1d.weight", "norm.weight",

@@ -4,8 +4,9 @@ KV cache and a state-slot pool, and does what the engine must do for hybrid sequ
 one state slot per sequence, a chunk continues from its slot, a fork copies the slot and
 shares the KV pages (copying the partly filled tail page).
 
-It also holds what every hybrid parity test module shares: `build_tiny` (the fixture's
-model, built by `tests/unit/hybrid_models.py`) and `HybridParityChecks` (the tests)."""
+It also holds what every hybrid parity test module shares: `build_tiny` and `tiny_fixture`
+(the fixture's model, built by `tests/unit/hybrid_models.py`) and `HybridParityChecks`
+(the tests)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -319,6 +321,17 @@ def build_tiny(recipe: str, model_cls: Any, folder: Path, tokenizer
     return folder, hf_model, ours, prompts
 
 
+def tiny_fixture(recipe: str, model_cls: Any):
+    """A module-scoped fixture `tiny`: `build_tiny(recipe, model_cls, ...)` in a fresh
+    folder with the embedded model's tokenizer; assign it to `tiny` in a test module."""
+    @pytest.fixture(scope="module")
+    def tiny(tmp_path_factory, embedded_checkpoint):
+        folder = tmp_path_factory.mktemp(f"tiny-{recipe}") / f"tiny-{recipe}"
+        return build_tiny(recipe, model_cls, folder, embedded_checkpoint.tokenizer)
+
+    return tiny
+
+
 class HybridParityChecks:
     """The parity tests of a hybrid recipe, over the test module's `tiny` fixture (the
     tuple of `build_tiny`). A module subclasses it as `Test...` and sets:
@@ -327,11 +340,20 @@ class HybridParityChecks:
         label: printed with each figure ("tiny-lfm2").
         recipe: the recipe's module (`state_layout`, `expected_tensor_names`).
         model_cls: its model class (`from_hf`).
+        kv_layers: the model layers the tiny config gives a KV cache.
     """
 
     label: str
     recipe: ModuleType
     model_cls: Any
+    kv_layers: tuple[int, ...]
+
+    def test_tensor_names_and_kv_layers_match_the_saved_folder(self, tiny):
+        folder, _, ours, _ = tiny
+        assert set(load_file(str(folder / "model.safetensors"))) == (
+            self.recipe.expected_tensor_names(ours.config))
+        layout = self.recipe.state_layout(ours.config, 16, torch.bfloat16)
+        assert (layout.num_kv_layers, layout.kv_layers) == (len(self.kv_layers), self.kv_layers)
 
     def make_runner(self, tiny):
         ours = tiny[2]

@@ -7,37 +7,30 @@ the conv has biases and norms are randomised, so a dropped bias or swapped norm 
 
 from __future__ import annotations
 
-import pytest
 import torch
-from safetensors.torch import load_file
 
 from flare.models import lfm2
-from flare.models.lfm2 import Lfm2Config, Lfm2Model, expected_tensor_names, state_layout
-from hybrid_driver import HybridParityChecks, build_tiny
+from flare.models.lfm2 import Lfm2Config, Lfm2Model, state_layout
+from hybrid_driver import HybridParityChecks, tiny_fixture
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, embedded_checkpoint):
-    """(folder, transformers model, our model, prompts as token ids); the model is
-    `hybrid_models.save_tiny_lfm2` (seed 2, layers conv, attention, conv, conv, attention)."""
-    folder = tmp_path_factory.mktemp("tiny-lfm2") / "tiny-lfm2"
-    return build_tiny("lfm2", Lfm2Model, folder, embedded_checkpoint.tokenizer)
+# `hybrid_models.save_tiny_lfm2`: seed 2, layers conv, attention, conv, conv, attention
+tiny = tiny_fixture("lfm2", Lfm2Model)
 
 
 class TestTinyLfm2(HybridParityChecks):
     """Greedy tokens vs transformers, chunked/decode/batched/forked runs vs one-shot."""
 
-    label, recipe, model_cls = "tiny-lfm2", lfm2, Lfm2Model
+    label, recipe, model_cls, kv_layers = "tiny-lfm2", lfm2, Lfm2Model, (1, 4)
 
 
-def test_config_and_tensor_names_match_the_saved_folder(tiny):
-    folder, model, ours, _ = tiny
+def test_config_and_state_layout(tiny):
+    _, model, ours, _ = tiny
     c = ours.config
     assert c.attention_layers == (1, 4) and c.conv_layers == (0, 2, 3)
     assert c.ff_dim == model.model.layers[0].feed_forward.w1.out_features == 64
-    assert set(load_file(str(folder / "model.safetensors"))) == expected_tensor_names(c)
     layout = state_layout(c, 16, torch.bfloat16)
-    assert (layout.num_kv_layers, layout.kv_layers, layout.head_dim) == (2, (1, 4), 16)
+    assert layout.head_dim == 16
     assert [s.conv_shape for s in layout.layer_states] == [(64, 2)] * 3
     assert all(not s.recurrent_shape for s in layout.layer_states)
     assert layout.state_bytes_per_slot == 3 * 64 * 2 * 2

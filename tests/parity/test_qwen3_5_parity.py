@@ -10,43 +10,34 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from flare.models import qwen3_5
-from flare.models.qwen3_5 import (Qwen3_5Config, Qwen3_5Model, expected_tensor_names,
-                                  gated_delta_rule, gated_delta_step, state_layout,
-                                  text_model_tensors)
-from hybrid_driver import HybridParityChecks, Runner, build_tiny
+from flare.models.qwen3_5 import (Qwen3_5Config, Qwen3_5Model, gated_delta_rule,
+                                  gated_delta_step, state_layout, text_model_tensors)
+from hybrid_driver import HybridParityChecks, Runner, tiny_fixture
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, embedded_checkpoint):
-    """(folder, transformers model, our model, prompts as token ids); the model is
-    `hybrid_models.save_tiny_qwen3_5` (seed 35, layers linear, full, linear, linear, full)."""
-    folder = tmp_path_factory.mktemp("tiny-qwen3_5") / "tiny-qwen3_5"
-    return build_tiny("qwen3_5", Qwen3_5Model, folder, embedded_checkpoint.tokenizer)
+# `hybrid_models.save_tiny_qwen3_5`: seed 35, layers linear, full, linear, linear, full
+tiny = tiny_fixture("qwen3_5", Qwen3_5Model)
 
 
 class TestTinyQwen3_5(HybridParityChecks):
     """Greedy tokens vs transformers, chunked/decode/batched/forked runs vs one-shot."""
 
-    label, recipe, model_cls = "tiny-qwen3_5", qwen3_5, Qwen3_5Model
+    label, recipe, model_cls, kv_layers = "tiny-qwen3_5", qwen3_5, Qwen3_5Model, (1, 4)
 
 
-def test_config_and_tensor_names_match_the_saved_folder(tiny):
-    folder, _, ours, _ = tiny
-    c = ours.config
+def test_config_and_state_layout(tiny):
+    c = tiny[2].config
     assert c.full_attention_layers == (1, 4) and c.linear_attention_layers == (0, 2, 3)
     assert (c.rotary_dim, c.conv_dim) == (4, 2 * 2 * 16 + 4 * 8)
-    assert set(load_file(str(folder / "model.safetensors"))) == expected_tensor_names(c)
-    layout = state_layout(c, 16, torch.bfloat16)
-    assert (layout.num_kv_layers, layout.kv_layers) == (2, (1, 4))
-    spec = layout.layer_states[0]
+    spec = state_layout(c, 16, torch.bfloat16).layer_states[0]
     assert (spec.conv_shape, spec.conv_dtype) == ((96, 3), torch.bfloat16)
     assert (spec.recurrent_shape, spec.recurrent_dtype) == ((4, 16, 8), torch.float32)
-    assert layout.state_bytes_per_slot == 3 * (96 * 3 * 2 + 4 * 16 * 8 * 4)
+    assert state_layout(c, 16, torch.bfloat16).state_bytes_per_slot == (
+        3 * (96 * 3 * 2 + 4 * 16 * 8 * 4))
 
 
 def test_multimodal_checkpoint_names_map_to_the_text_model():

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import _prompt, flare_decode, flare_prefill
-from peers import SHORT_PROMPT, llama_cpp_measures
+from peers import SHORT_PROMPT, interleaved_samples, llama_cpp_measures
 
 from flare.cache_dir import default_cache_dir
 from flare.loading.checkpoint import load_checkpoint
@@ -117,12 +117,7 @@ def main() -> None:
         if not args.skip_llama_cpp:
             measures["llama.cpp"] = llama_cpp_measures(path, ids_of, args.threads, n_dec,
                                                        lengths)
-        samples: dict[tuple[str, str], list[float]] = {}
-        for _ in range(args.repeat):
-            for row in rows:
-                for col, m in measures.items():
-                    if not isinstance(m, str) and row in m:
-                        samples.setdefault((col, row), []).append(m[row]())
+        samples = interleaved_samples(measures, rows, args.repeat)
         file_bytes = path.stat().st_size
         print(f"\n{path.name} ({file_bytes / 2**20:.1f} MiB; 2-D tensors "
               + ", ".join(f"{n} {t}" for t, n in sorted(types.items())) + f"): default "

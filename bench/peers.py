@@ -185,6 +185,20 @@ def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
 
 # ---- the table ------------------------------------------------------------------------------
 
+def interleaved_samples(measures: dict, rows: list[str], repeat: int
+                        ) -> dict[tuple[str, str], list[float]]:
+    """(column, row) -> the figures of `repeat` rounds, each round measuring every row of
+    every column in turn (so a slow spell of the shared machine hits all columns alike);
+    a column that is a string (why it was skipped) is passed over."""
+    samples: dict[tuple[str, str], list[float]] = {}
+    for _ in range(repeat):
+        for row in rows:
+            for col, m in measures.items():
+                if not isinstance(m, str) and row in m:
+                    samples.setdefault((col, row), []).append(m[row]())
+    return samples
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -258,12 +272,7 @@ def main() -> None:
         # the GGUF's tensor bytes per parameter (Q4_1 layers, Q8_0 embedding / output)
         bytes_per_param["llama.cpp"] = gguf.stat().st_size / (layers + out)
 
-    samples: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.repeat):
-        for row in rows:
-            for col, m in measures.items():
-                if not isinstance(m, str) and row in m:
-                    samples.setdefault((col, row), []).append(m[row]())
+    samples = interleaved_samples(measures, rows, args.repeat)
     columns: dict[str, dict[str, float | None] | str] = {
         col: m if isinstance(m, str) else
         {row: statistics.median(samples[col, row]) if (col, row) in samples else None

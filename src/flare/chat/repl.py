@@ -188,31 +188,45 @@ class ChatApp:
         prompt = PromptSession(history=history, key_bindings=_key_bindings(),
                                multiline=True, prompt_continuation="... ")
         interrupted = False
-        while True:
-            try:
-                text = prompt.prompt(f"{self.conv.name}> ")
-            except KeyboardInterrupt:
-                if interrupted:
-                    break
-                interrupted = True
-                self.note("(Ctrl+C again or Ctrl+D to leave)")
-                continue
-            except EOFError:
-                break
-            interrupted = False
-            text = _unquote(text)
-            if not text.strip():
-                continue
-            if text.startswith("/"):
-                word, _, rest = text.partition(" ")
-                handler = self.commands.get(word.strip())
-                if handler is None:
-                    self.error(f"unknown command {word}; /help lists them")
+        try:  # a Ctrl+C between two prompts leaves, as a second one at the prompt does
+            while True:
+                try:
+                    text = prompt.prompt(f"{self.conv.name}> ")
+                except KeyboardInterrupt:
+                    if interrupted:
+                        break
+                    interrupted = True
+                    try:
+                        self.note("(Ctrl+C again or Ctrl+D to leave)")
+                    except KeyboardInterrupt:  # the second one came before the next prompt
+                        break
                     continue
-                if handler(rest.strip()) is False:
+                except EOFError:
                     break
-                continue
-            self.turn(text)
+                interrupted = False
+                text = _unquote(text)
+                if not text.strip():
+                    continue
+                if text.startswith("/"):
+                    word, _, rest = text.partition(" ")
+                    handler = self.commands.get(word.strip())
+                    if handler is None:
+                        self.error(f"unknown command {word}; /help lists them")
+                        continue
+                    try:
+                        if handler(rest.strip()) is False:
+                            break
+                    except KeyboardInterrupt:  # Ctrl+C during a command cancels the command
+                        self.note("[command interrupted]")
+                    continue
+                try:
+                    self.turn(text)
+                except KeyboardInterrupt:  # outside the stream (sending, storing): stop it
+                    if self.conv.messages[-1:] == [{"role": "user", "content": text}]:
+                        self.conv.messages.pop()  # no answer: the question is not kept
+                    self.note("[stopped]")
+        except KeyboardInterrupt:
+            pass
         self.leave()
         return 0
 

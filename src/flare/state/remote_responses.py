@@ -19,10 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# The tier's private call wrapper and "down" signal: one fault policy for every Redis user.
-from flare.state.remote_tier import RemoteTier, _Down
+# The link's "down" signal (and, below, the tier's call wrapper): one fault policy for
+# every Redis user, as flare.state.remote_sessions.
+from flare.state.remote_link import _Down
+
+if TYPE_CHECKING:
+    from flare.state.remote_tier import RemoteTier
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from pydantic import BaseModel
 
 from flare.server.api_error import ApiError
 from flare.server.guard import (
-    Admission,
     PromptBound,
     RequestGuard,
     ServerCounters,
@@ -25,6 +24,7 @@ from flare.server.guard import (
     keys_match,
     with_deadline,
 )
+from flare.server.queue_bound import Admission
 
 KEY = "sk-flare-test-0123456789"
 

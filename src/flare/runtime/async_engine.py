@@ -5,7 +5,7 @@ early (client disconnect, task cancelled), the request is aborted in the engine,
 releases its pages at its next step.
 
 `on_enqueued` is how a caller learns the moment its request is counted in the engine's
-`num_waiting`: the HTTP server's queue bound (`flare.server.guard.Admission`) sets it for
+`num_waiting`: the HTTP server's queue bound (`flare.server.queue_bound.Admission`) sets it for
 the duration of a request and releases its admission ticket there.
 """
 

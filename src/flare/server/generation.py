@@ -44,9 +44,9 @@ from flare.server.grammar import (
     json_grammar,
     tool_call_grammar,
 )
-from flare.server.guard import (PromptBound, ServerCounters, reserve_choices,
-                                unencodable_text, with_deadline)
+from flare.server.guard import PromptBound, ServerCounters, unencodable_text, with_deadline
 from flare.server.openai.messages import ChatMessage, Tool
+from flare.server.queue_bound import reserve_choices
 from flare.server.schema_check import check_request_schemas
 from flare.server.streaming import Tally, merge_streams
 from flare.server.tool_calls import ParsedMessage, ToolCallParser
@@ -277,7 +277,7 @@ class GenerationCore:
 
         Raises:
             ApiError: 429 `queue_full` when `n` choices would pass the queue bound
-                (`flare.server.guard.reserve_choices`).
+                (`flare.server.queue_bound.reserve_choices`).
         """
         reserve_choices(len(requests))
         streams = [self.engine.generate(r) for r in requests]

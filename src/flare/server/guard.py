@@ -19,8 +19,8 @@ costs the server nothing. Every refusal is an OpenAI-style error body:
   them); the connection is closed. The headers themselves have their own limit, enforced
   where they are parsed (`flare.server.connection`).
 - 429 `queue_full` with `Retry-After`: the queue bound `max_queue` would be passed
-  (`Admission`: requests waiting in the engine plus POSTs that have passed this guard and
-  are not yet queued there; the server-side EnqueueRejected).
+  (`flare.server.queue_bound.Admission`: sequences waiting in the engine plus those of
+  POSTs that have passed this guard and are not queued there yet).
 - 500 `internal_error`: anything unexpected inside; answered here so the connection stays
   usable.
 
@@ -49,7 +49,6 @@ On the Anthropic routes (`/v1/messages*`) the same refusals use Anthropic's erro
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hmac
 import json
 import logging
@@ -65,6 +64,7 @@ from prometheus_client.registry import Collector
 from flare.runtime.async_engine import on_enqueued
 from flare.server.anthropic import errors as anthropic_errors
 from flare.server.api_error import ApiError
+from flare.server.queue_bound import Admission, current_ticket
 
 Scope = dict[str, Any]
 Receive = Callable[[], Any]
@@ -81,108 +81,6 @@ _STATS_PATHS = {"/metrics", "/debug/state"}
 
 class _BodyRefused(Exception):
     """Raised into the route's body reader after the guard has answered the request."""
-
-
-class Admission:
-    """The queue bound, held at the moment of enqueueing (case api-queue-burst).
-
-    A POST takes a `Ticket` on arrival when `queue_length() + pending < max_queue`, where
-    `pending` counts the sequences of tickets taken and not yet queued; the check and the
-    increment run with no await between them, so requests that arrive in the same instant
-    cannot all pass on the same reading. A route whose request has `n` choices widens its
-    ticket to `n` sequences before queueing them (`reserve_choices`), under the same rule.
-    Each sequence queued in the engine gives back its share
-    (`flare.runtime.async_engine.on_enqueued`, called right after the engine counts it in
-    `num_waiting`); the rest goes back when the request ends without queueing it (a
-    refusal, an error, a route that queues nothing). So `num_waiting` never exceeds
-    `max_queue`.
-
-    Args:
-        queue_length: sequences waiting in the engine now (may be read from any thread).
-        max_queue: the bound.
-    """
-
-    def __init__(self, queue_length: Callable[[], int], max_queue: int) -> None:
-        self.queue_length = queue_length
-        self.max_queue = max_queue
-        self.pending = 0
-        self._lock = threading.Lock()
-
-    def take(self) -> "Ticket | None":
-        """A ticket for one sequence, or None when the bound is reached."""
-        with self._lock:
-            if self.queue_length() + self.pending >= self.max_queue:
-                return None
-            self.pending += 1
-        return Ticket(self)
-
-
-class Ticket:
-    """One request's share of `Admission.pending`: `held` sequences not queued yet.
-
-    Calling the ticket gives back every share it still holds (idempotent); `enqueued`
-    gives back one, as one of its sequences is counted in the engine's queue.
-    """
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-        self.held = 1
-        self._queued = 0  # sequences of this request already counted in num_waiting
-
-    def widen(self, n: int) -> bool:
-        """Hold `n` sequences in all (those queued so far included); False, holding what
-        it held, when the extra ones would pass the bound."""
-        a = self._admission
-        with a._lock:
-            extra = n - self._queued - self.held
-            if extra <= 0:
-                return True
-            if a.queue_length() + a.pending + extra > a.max_queue:
-                return False
-            a.pending += extra
-            self.held += extra
-        return True
-
-    def enqueued(self) -> None:
-        """One sequence of this request is now in the engine's queue."""
-        with self._admission._lock:
-            self._queued += 1
-            if self.held:
-                self.held -= 1
-                self._admission.pending -= 1
-
-    def __call__(self) -> None:
-        with self._admission._lock:
-            self._admission.pending -= self.held
-            self.held = 0
-
-
-# The ticket of the request being served (set by `RequestGuard` for POSTs).
-_ticket: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar(
-    "flare_admission_ticket", default=None)
-
-
-def reserve_choices(n: int) -> None:
-    """Widen the current request's admission ticket to `n` sequences before they are
-    queued (a request with `n` choices). No ticket (a route the guard does not cover, a
-    test without the guard): nothing to do.
-
-    Raises:
-        ApiError: 400 when `n` alone is more than `--max-queue` (it could never be
-            queued); 429 `queue_full` when the other sequences would pass it now.
-    """
-    ticket = _ticket.get()
-    if ticket is None or n <= 1:
-        return
-    a = ticket._admission
-    if n > a.max_queue:
-        raise ApiError(400, f"n={n} is more than the server's queue bound of {a.max_queue} "
-                       "waiting sequences (--max-queue)", param="n")
-    if ticket.widen(n):
-        return
-    raise ApiError(429, f"n={n} would pass the queue bound of {a.max_queue} waiting "
-                   "sequences; retry shortly or ask for fewer choices",
-                   type="rate_limit_error", param="n", code="queue_full")
 
 
 class ServerCounters(Collector):
@@ -369,11 +267,11 @@ class RequestGuard:
                               "retry shortly", "queue_full", retry_after=1, path=path)
                 return
         token = on_enqueued.set(ticket.enqueued if ticket is not None else None)
-        ticket_token = _ticket.set(ticket)
+        ticket_token = current_ticket.set(ticket)
         try:
             await self._serve(scope, receive, send, path)
         finally:
-            _ticket.reset(ticket_token)
+            current_ticket.reset(ticket_token)
             on_enqueued.reset(token)
             if ticket is not None:
                 ticket()

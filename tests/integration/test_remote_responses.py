@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from redis_process import RedisProcess
 
-from flare.server.responses import ResponseStore, StoredResponse
+from flare.server.response_store import ResponseStore, StoredResponse
 from flare.state.remote_responses import RemoteResponses
 from flare.state.remote_tier import RemoteTier, RemoteTierConfig
 

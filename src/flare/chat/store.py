@@ -16,13 +16,12 @@ never become odd paths.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flare.atomic_file import write_text_atomic
 from flare.state.sessions import SESSION_NAME
 
 FORMAT_VERSION = 1
@@ -113,12 +112,12 @@ class ConversationStore:
         conv.updated = time.time()
         data = {"version": FORMAT_VERSION, **asdict(conv)}
         data.pop("name")
-        _write_atomic(path, json.dumps(data, ensure_ascii=False, indent=1))
+        write_text_atomic(path, json.dumps(data, ensure_ascii=False, indent=1))
         self.set_last(conv.name)
 
     def set_last(self, name: str) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.folder / LAST, check_name(name))
+        write_text_atomic(self.folder / LAST, check_name(name))
 
     def last(self) -> str | None:
         """The conversation used last, if it still exists."""
@@ -134,16 +133,3 @@ class ConversationStore:
         while self.exists(f"{stem}-{i}"):
             i += 1
         return f"{stem}-{i}"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -13,10 +13,11 @@ response id names the session, so its state is pinned on the device within the p
 budget (`--max-pinned-pages`), saved to the disk tier as soon as it is complete (with a
 `--state-dir`), and found again after a restart. The record of each stored response (the
 public object, the conversation as chat messages, its exact text and token ids: prompt
-plus every generated token) is kept in memory and, with a disk tier, in one JSON file per
-response under `responses-<package>/` in the state folder (written atomically; at most
-`MAX_STORED_RESPONSES`, the oldest forgotten first). With a remote tier (`--remote-tier`)
-each record is also published in Redis (`flare.state.remote_responses`), so a
+plus every generated token; `flare.server.response_store`) is kept in memory and, with a
+disk tier, in one JSON file per response under `responses-<package>/` in the state folder
+(written atomically; at most `MAX_STORED_RESPONSES`, the oldest forgotten first). With a
+remote tier (`--remote-tier`) each record is also published in Redis
+(`flare.state.remote_responses`), so a
 `previous_response_id` that a gateway sends to another replica is found there, and its
 state restored from the remote tier by its tokens.
 
@@ -46,16 +47,8 @@ them is what lets the state continue exactly); new instructions replace them.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import re
-import tempfile
-import threading
 import time
-from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -69,8 +62,8 @@ from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreaming
                                      GenerationCore, new_id)
 from flare.server.grammar import grammar_failure_message
 from flare.server.guard import check_message_count, unencodable_text
+from flare.server.response_store import RESPONSE_ID_PATTERN, ResponseStore, StoredResponse
 from flare.server.responses_protocol import (
-    RESPONSE_ID,
     ResponseEvents,
     ResponsesRequest,
     call_ids,
@@ -82,150 +75,11 @@ from flare.server.responses_protocol import (
 )
 from flare.server.streaming import Tally, flare_extension
 from flare.server.tool_calls import ContentEvent, Event
-from flare.state.remote_responses import DELETED, RemoteResponses
+from flare.state.remote_responses import RemoteResponses
 
 log = logging.getLogger(__name__)
 
-MAX_STORED_RESPONSES = 512  # beside the named sessions, within the registry's MAX_SESSIONS
 SAVE_TIMEOUT_S = 120.0
-_ID = re.compile(RESPONSE_ID)
-
-
-@dataclass
-class StoredResponse:
-    """One stored response.
-
-    Attributes:
-        id: the response id (also its session's name).
-        body: the public response object (what GET returns).
-        instructions: the instructions it ran with (a leading system message), or None.
-        messages: the conversation after the instructions, as chat messages, this
-            response's own output last.
-        text: the conversation's exact text: the prompt then every generated token.
-        tokens: its token ids (prompt + generated); `tokens[:-1]` is the computed state.
-    """
-
-    id: str
-    body: dict[str, Any]
-    instructions: str | None
-    messages: list[dict[str, Any]]
-    text: str
-    tokens: list[int]
-
-
-class ResponseStore:
-    """Stored responses by id, oldest first; persisted one JSON file each in `folder`.
-
-    Thread-safe. Ids are checked against `RESPONSE_ID` before they name a file.
-
-    Args:
-        folder: where the records live (None: in memory only).
-        limit: most records kept; `put` beyond it forgets the oldest.
-        shared: a `flare.state.remote_responses.RemoteResponses` (the replicas' Redis), or
-            None. Records are published there too, and a record this replica lacks is
-            looked up there (so a continuation may land on any replica).
-    """
-
-    def __init__(self, folder: Path | None, limit: int = MAX_STORED_RESPONSES,
-                 shared: Any = None) -> None:
-        self.folder = folder
-        self.limit = limit
-        self.shared = shared
-        self._lock = threading.Lock()
-        self._records: OrderedDict[str, StoredResponse] = OrderedDict()
-        if folder is not None:
-            self._load()
-
-    def _load(self) -> None:
-        loaded = []
-        for path in self.folder.glob("resp_*.json"):
-            if not _ID.fullmatch(path.stem):
-                continue
-            try:
-                rec = StoredResponse(**json.loads(path.read_text()))
-            except (OSError, ValueError, TypeError) as exc:
-                log.warning("ignoring unreadable stored response %s: %s", path, exc)
-                continue
-            loaded.append((rec.body.get("created_at", 0), path.stat().st_mtime, rec))
-        for _, _, rec in sorted(loaded, key=lambda t: t[:2]):
-            self._records[rec.id] = rec
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The record, or None when there is none (a bad id included). With `shared`, Redis
-        is asked first (one round trip: call this off the event loop): a record deleted on
-        another replica is dropped here too, one this replica lacks is taken from there."""
-        with self._lock:
-            rec = self._records.get(response_id)
-        if self.shared is None or not _ID.fullmatch(response_id):
-            return rec
-        status, found = self.shared.get(response_id)
-        if status == DELETED:
-            if rec is not None:
-                with self._lock:
-                    self._records.pop(response_id, None)
-                self._unlink(response_id)
-            return None
-        if rec is not None or found is None:  # Redis down or the record expired: ours
-            return rec
-        try:
-            return StoredResponse(**found)
-        except TypeError:  # another Flare version's record: continue from scratch
-            return None
-
-    def put(self, rec: StoredResponse) -> list[str]:
-        """Keep `rec` (written before it is listed); returns the ids forgotten to stay
-        within the limit."""
-        self._write(rec)
-        if self.shared is not None:
-            self.shared.put(rec.id, asdict(rec))
-        with self._lock:
-            self._records[rec.id] = rec
-            old = []
-            while len(self._records) > self.limit:
-                old.append(self._records.popitem(last=False)[0])
-        for rid in old:
-            self._unlink(rid)
-        return old
-
-    def delete(self, response_id: str) -> bool:
-        """Forget a record (here and in `shared`); False when there was none."""
-        with self._lock:
-            found = self._records.pop(response_id, None) is not None
-        if found:
-            self._unlink(response_id)
-        if self.shared is not None and _ID.fullmatch(response_id):
-            found = self.shared.delete(response_id) or found
-        return found
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._records)
-
-    def _path(self, response_id: str) -> Path | None:
-        if self.folder is None or not _ID.fullmatch(response_id):
-            return None
-        return self.folder / f"{response_id}.json"
-
-    def _write(self, rec: StoredResponse) -> None:
-        path = self._path(rec.id)
-        if path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".resp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(asdict(rec), f, ensure_ascii=False)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def _unlink(self, response_id: str) -> None:
-        path = self._path(response_id)
-        if path is not None:
-            path.unlink(missing_ok=True)
 
 
 def continuation_prompt(tokenizer: Any, messages: list[dict[str, Any]],
@@ -304,7 +158,7 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
     async def forget_deleted(response_id: str) -> None:
         """Unpin a response another replica deleted (its record is gone; its pin here, if
         this replica served it, would otherwise hold pages for nobody)."""
-        if store.shared is not None and _ID.fullmatch(response_id):
+        if store.shared is not None and RESPONSE_ID_PATTERN.fullmatch(response_id):
             await forget_session(response_id)
 
     async def keep(rec: StoredResponse, parent_id: str | None, session: str | None) -> None:

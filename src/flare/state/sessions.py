@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from flare.atomic_file import write_text_atomic
 
 if TYPE_CHECKING:
     from flare.state.checkpoints import Checkpoint, CheckpointIndex
@@ -219,25 +219,8 @@ class SessionRegistry:
                     "sessions": {n: {"tokens": s.tokens, "saved_tokens": s.saved_tokens}
                                  for n, s in self._sessions.items() if s.saved_tokens}}
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".sessions-", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(body, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-                _fsync_dir(self.path.parent)  # the rename survives a power loss too
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            # durable: the rename survives a power loss too
+            write_text_atomic(self.path, json.dumps(body), durable=True)
 
 
 class SessionPins:

@@ -8,14 +8,12 @@ import json
 import pytest
 
 from flare.server.api_error import ApiError
+from flare.server.responses_events import ResponseEvents, sse_bytes, usage_object
 from flare.server.responses_protocol import (
-    ResponseEvents,
     ResponsesRequest,
     input_messages,
     output_messages,
     responses_param,
-    sse_bytes,
-    usage_object,
 )
 from flare.server.tool_calls import ContentEvent, ToolCall, ToolCallEvent
 

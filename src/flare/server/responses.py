@@ -4,7 +4,9 @@
     GET    /v1/responses/{id}   a stored response
     DELETE /v1/responses/{id}   forget it, and its session
 
-Requests, input items and stream events: `flare.server.responses_protocol`. Generation,
+Requests and input items: `flare.server.responses_protocol`; the response object and its
+stream events: `flare.server.responses_events`; stored records:
+`flare.server.response_store`. Generation,
 grammars, tool parsing and the context policy are the chat surface's
 (`flare.server.generation`).
 
@@ -63,15 +65,13 @@ from flare.server.generation import (FORCED_MODES, SSE_HEADERS, ClosingStreaming
 from flare.server.grammar import grammar_failure_message
 from flare.server.guard import check_message_count, unencodable_text
 from flare.server.response_store import RESPONSE_ID_PATTERN, ResponseStore, StoredResponse
+from flare.server.responses_events import ResponseEvents, sse_bytes, usage_object
 from flare.server.responses_protocol import (
-    ResponseEvents,
     ResponsesRequest,
     call_ids,
     input_messages,
     output_messages,
     responses_param,
-    sse_bytes,
-    usage_object,
 )
 from flare.server.streaming import Tally, flare_extension
 from flare.server.tool_calls import ContentEvent, Event
@@ -341,7 +341,7 @@ def _parse(make_parser: Any, text: str, engine_reason: str | None
 
 
 async def _sse(outputs: Any, events: ResponseEvents, make_parser: Any, finish: Any) -> Any:
-    """The SSE body of a streamed response (module docstring of responses_protocol)."""
+    """The SSE body of a streamed response (module docstring of responses_events)."""
     parser = make_parser() if make_parser is not None else None
     tally = Tally(1)
     try:

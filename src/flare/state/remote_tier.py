@@ -65,7 +65,7 @@ class RemoteTierStats(RecordTierStats):
     skipped: int = 0  # calls answered "absent" without Redis because it was down
     outages: int = 0  # up -> down transitions
     shares: int = 0  # finished requests whose state was written through (engine)
-    share_refused: int = 0  # write-throughs refused (transfer queue full, too big)
+    share_refused: int = 0  # finishes whose write-through failed to queue (an error)
     reconnects: int = 0  # down -> up transitions
 
 

@@ -137,6 +137,25 @@ def test_gateway_lists_the_model(cluster):
     assert [m["id"] for m in r.json()["data"]] == [c["model"]]
 
 
+def test_gateway_polls_each_replicas_load(cluster):
+    """smg reads each replica's GET /v1/loads for its load-aware policies: its own
+    /get_loads lists both replicas with the KV capacity and sequence limit they report."""
+    c = cluster
+    want = {}
+    for srv in (c["a"], c["b"]):
+        load = httpx.get(srv.url + "/v1/loads", timeout=10).json()["loads"][0]
+        want[srv.url] = (load["max_total_num_tokens"], load["max_running_requests"])
+    deadline = time.monotonic() + 60
+    while True:  # smg polls on its own interval
+        got = {w["worker"].rstrip("/"): (w["max_total_num_tokens"], w["max_running_requests"])
+               for w in httpx.get(c["gateway"] + "/get_loads", timeout=10).json()["loads"]}
+        if got == want:
+            break
+        assert time.monotonic() < deadline, (got, want)
+        time.sleep(1)
+    assert all(tokens > 0 and seqs > 0 for tokens, seqs in want.values())
+
+
 def test_previous_response_id_continues_on_the_other_replica(cluster):
     c = cluster
     first = respond(c, c["a"].url, "Name a colour of the sea.")

@@ -96,6 +96,28 @@ def test_models_health_metrics(client):
     assert state["pages_total"] == state["pages_free"] + state["pages_used"]
 
 
+def test_loads_report_the_engine_in_the_shape_a_gateway_polls(client, server):
+    """GET /v1/loads (smg's WorkerLoadResponse): one rank whose KV tokens and requests are
+    the engine's own counters, and whose cache hit rate is the prefix cache's share."""
+    wait_idle(client)
+    _chat(client, content="Name three rivers.", max_tokens=4)
+    _chat(client, content="Name three rivers.", max_tokens=4)  # the same prompt: a reuse
+    wait_idle(client)
+    r = client.get("/v1/loads", params={"include": "core,disagg,queues,memory"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["dp_rank_count"] == 1 and len(body["loads"]) == 1 and body["timestamp"]
+    load, state = body["loads"][0], client.get("/debug/state").json()
+    page = server.engine.plan.page_size
+    assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
+    assert load["max_total_num_tokens"] == state["pages_total"] * page
+    assert load["num_used_tokens"] == state["pages_used"] * page
+    assert load["token_usage"] == load["num_used_tokens"] / load["max_total_num_tokens"]
+    assert load["cache_hit_rate"] == (state["prefix_cache_hits_total"]
+                                      / state["prefix_cache_queries_total"]) > 0
+    assert load["max_running_requests"] == server.engine.plan.max_num_seqs
+
+
 def test_chat_completion_shape(client):
     r = _chat(client, temperature=0, max_tokens=8)
     assert r.status_code == 200, r.text

@@ -5,7 +5,8 @@ OpenAI chat/completions and models (`flare.server.openai.routes`), Anthropic Mes
 (`flare.server.sessions`) and the web chat (`flare.server.web`). This module adds the
 middleware (limits, JSON bodies), the error handlers, and GET /health,
 GET /metrics (Prometheus text: engine counters and gauges, request histograms
-`flare.server.metrics`), GET /debug/state (engine stats as JSON), GET / (the web chat) and
+`flare.server.metrics`), GET /debug/state (engine stats as JSON), GET /v1/loads (the load a
+gateway such as smg polls, `flare.server.loads`), GET / (the web chat) and
 GET /docs (Swagger UI), both from vendored files (`flare.server.web`).
 
 Policies:
@@ -61,6 +62,7 @@ from flare.server.generation import (GenerationCore)
 from flare.server.guard import (RequestGuard, ServerCounters)
 from flare.server.json_body import JsonContentType
 from flare.server.metrics import RequestMetrics, build_labels
+from flare.server.loads import loads_router
 from flare.server.openai.routes import openai_router
 from flare.server.responses import responses_router
 from flare.server.sessions import sessions_router
@@ -235,6 +237,7 @@ def create_app(
                             status_code=500)
 
     app.include_router(openai_router(engine, core, settings))  # chat, completions, models
+    app.include_router(loads_router(engine))  # /v1/loads, for a gateway's load-aware routing
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -185,10 +185,10 @@ def test_unsatisfiable_schemas_are_400_on_every_surface_before_admission(client,
     assert client.get("/debug/state").json()["prompt_tokens_total"] == before
 
 
-def test_a_grammar_failure_mid_generation_is_its_own_finish_reason_and_counted(client,
-                                                                              monkeypatch):
-    """A constraint that gives up (here: made to fail after its first token) never ends as
-    `stop`: finish_reason "grammar_error", streamed and not, and counted on /metrics."""
+@pytest.fixture
+def failing_grammar(monkeypatch):
+    """Every grammar constraint gives up after its first token (as a resource limit of
+    the constraint library would), on this test's requests."""
     from flare.server import grammar
 
     real_advance = grammar.GrammarConstraint.advance
@@ -198,6 +198,12 @@ def test_a_grammar_failure_mid_generation_is_its_own_finish_reason_and_counted(c
         self._fail("injected by the test")
 
     monkeypatch.setattr(grammar.GrammarConstraint, "advance", failing_advance)
+
+
+def test_a_grammar_failure_mid_generation_is_its_own_finish_reason_and_counted(
+        client, failing_grammar):
+    """A constraint that gives up (here: made to fail after its first token) never ends as
+    `stop`: finish_reason "grammar_error", streamed and not, and counted on /metrics."""
     before = _metric(client, "flare_grammar_failures_total")
     body = {"model": MODEL, "messages": user("Give me a JSON object."), "max_tokens": 16,
             "temperature": 0, "response_format": {"type": "json_object"}}
@@ -226,20 +232,11 @@ def _sse_events(client: httpx.Client, path: str, body: dict) -> list[tuple[str, 
 
 
 def test_a_grammar_failure_fails_the_answer_on_the_anthropic_and_responses_surfaces(
-        client, monkeypatch):
+        client, failing_grammar):
     """Surfaces without a finish reason for it never end a failed structure as `end_turn`
     or `completed`: Anthropic answers 400 (an `error` event when streamed, no
     message_stop); Responses ends `failed` with error code "grammar_error" (a
     `response.failed` event) and does not store it. Each failure is counted."""
-    from flare.server import grammar
-
-    real_advance = grammar.GrammarConstraint.advance
-
-    def failing_advance(self, token_id):
-        real_advance(self, token_id)
-        self._fail("injected by the test")
-
-    monkeypatch.setattr(grammar.GrammarConstraint, "advance", failing_advance)
     before = _metric(client, "flare_grammar_failures_total")
     schema = {"type": "object", "properties": {"path": {"type": "string"}},
               "required": ["path"]}

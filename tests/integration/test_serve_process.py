@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 from http_helpers import error_of, http_client_fixture, user, wait_state
+from raw_sockets import read_until_closed
 from server_process import EXIT_TIMEOUT_S, ServerProcess
 
 from flare.serve_child import flare_command, free_port
@@ -212,18 +213,6 @@ def test_errors_then_keeps_serving(client, http):
 # --------------------------------------------------------------------------- own processes
 
 
-def _answer_and_close(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
-    """What the server sends on `sock` until it closes it (at most `limit_s`), and when."""
-    sock.settimeout(limit_s)
-    t0, data = time.monotonic(), b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):
-        pass
-    return data, time.monotonic() - t0
-
-
 def test_slow_headers_and_bodies_are_cut_by_the_cli_timeouts(server, http):
     """`--header-timeout 3 --body-timeout 5` through the real CLI: headers never finished
     get 408 header_timeout, a body shorter than its Content-Length 408 body_timeout, each
@@ -236,7 +225,7 @@ def test_slow_headers_and_bodies_are_cut_by_the_cli_timeouts(server, http):
                                  (head, b"body_timeout", BODY_TIMEOUT_S)):
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(opening)
-            data, took = _answer_and_close(s, 30)
+            data, took = read_until_closed(s, 30)
         assert data.startswith(b"HTTP/1.1 408") and code in data, data[:300]
         assert limit - 0.5 < took < limit + 10, took
     assert http.get("/health").status_code == 200

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import BaseModel
+from raw_sockets import read_until_closed
 
 from flare.server.api_error import ApiError
 from flare.server.guard import (
@@ -360,18 +361,6 @@ def slow_server():
     thread.join(10)
 
 
-def _read_all(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
-    """Everything the server sends until it closes (bounded by `limit_s`), and when."""
-    sock.settimeout(limit_s)
-    t0, data = time.monotonic(), b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (TimeoutError, ConnectionResetError):  # a reset after the answer ends it too
-        pass
-    return data, time.monotonic() - t0
-
-
 def test_slow_bodies_and_slow_headers_are_cut_by_their_timeouts(slow_server):
     """Three connections each: a Content-Length larger than the bytes sent, a body
     trickled a byte at a time, headers never finished. Each gets 408 and is closed
@@ -398,7 +387,7 @@ def test_slow_bodies_and_slow_headers_are_cut_by_their_timeouts(slow_server):
                 pass  # the 408 and the close raced our byte; the read below checks it
             trickled.remove(s)
     for s, opening in socks:
-        data, took = _read_all(s, 10)
+        data, took = read_until_closed(s, 10)
         s.close()
         assert data.startswith(b"HTTP/1.1 408"), data[:200]
         code = "header_timeout" if opening.endswith(b"host") else "body_timeout"
@@ -418,14 +407,14 @@ def test_an_idle_connection_is_closed_without_an_answer(slow_server):
     request = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
                b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     with socket.create_connection(("127.0.0.1", slow_server)) as s:
-        data, took = _read_all(s, 10)
+        data, took = read_until_closed(s, 10)
     assert data == b"" and took < 8
     with socket.create_connection(("127.0.0.1", slow_server)) as s:
         s.settimeout(10)
         s.sendall(request)
         first = s.recv(65536)
         assert first.startswith(b"HTTP/1.1 200")
-        data, took = _read_all(s, 10)
+        data, took = read_until_closed(s, 10)
     assert b"408" not in data and took < 8
 
 
@@ -440,5 +429,5 @@ def test_a_kept_alive_connection_gets_a_fresh_header_timeout(slow_server):
         s.sendall(request)
         assert s.recv(65536).startswith(b"HTTP/1.1 200")
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nho")  # and never more
-        data, took = _read_all(s, 10)
+        data, took = read_until_closed(s, 10)
     assert b"408" in data.split(b"\r\n", 1)[0] and took < 8

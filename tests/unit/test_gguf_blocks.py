@@ -15,25 +15,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
+from gguf_files import (
+    ServedGGUFChecks,
+    T,
+    needs_kernel,
+    served_gguf_fixtures,
+    write_llama_gguf,
+)
 
-from engine_helpers import words
-from flare.kernels import cpu_problem
-from flare.loading.checkpoint import load_checkpoint
-from flare.loading.gguf import open_gguf
 from flare.models.quant.blocks import quantize_q4, quantize_q8
-from flare.models.quant.formats import default_weight_format, native_format
+from flare.models.quant.formats import native_format
 from flare.models.quant.gguf_blocks import GGUFBlocks, q4_from_gguf, q8_from_gguf
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight, interleave
 from flare.models.quant.linear import Linear
-from flare.models.quant.sizes import serving_weight_bytes
 from flare.models.quant.storage import convert_tensors, weight_getter
-from flare.package.plan import make_plan
-from flare.runtime.engine import Engine
-
-needs_kernel = pytest.mark.skipif(cpu_problem() is not None, reason=str(cpu_problem()))
-T = GGMLQuantizationType
 
 
 def _blocks(a: np.ndarray, kind: str) -> tuple[GGUFBlocks, np.ndarray]:
@@ -99,13 +95,6 @@ def test_q8x8_kernel_takes_a_file_code_of_minus_128():
 
 # ---- tiny GGUFs ----------------------------------------------------------------------------
 
-_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
-           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-
 # name: (layer type, down_proj type, embedding type, output type or None = tied, default)
 FILES = {
     "q4_0": ("Q4_0", "Q4_0", "Q4_0", None, "q4x8"),
@@ -115,92 +104,20 @@ FILES = {
 }
 
 
-def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf's Llama q/k row permutation."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
-@pytest.fixture(scope="module")
-def tokenizer_fields(embedded_gguf):
-    r = open_gguf(embedded_gguf)
-    return {k: r.fields[k].contents() for k in (
-        "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-        "tokenizer.ggml.pre", "tokenizer.chat_template")}
-
-
-def write_llama_gguf(path, spec: tuple, tok: dict, seed: int = 3) -> None:
-    """A random 2-layer Llama (SmolLM2's vocabulary) as a GGUF of the types in `spec`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def write_spec_gguf(path, spec: tuple, tok: dict, seed: int = 3) -> None:
+    """A random 2-layer Llama (hidden 64, FFN 128, SmolLM2's vocabulary) as a GGUF of the
+    types in `spec`."""
     layer_t, down_t, embed_t, out_t, _ = spec
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=len(tok["tokenizer.ggml.tokens"]),
-                      max_position_embeddings=1024, rms_norm_eps=1e-5,
-                      tie_word_embeddings=out_t is None, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    w = GGUFWriter(str(path), "llama")
-    w.add_name("tiny llama")
-    w.add_context_length(1024)
-    w.add_embedding_length(64)
-    w.add_block_count(2)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(tok["tokenizer.chat_template"])
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and out_t is None:
-            continue
-        a = t.numpy()
-        if name in _GLOBAL:
-            gname = _GLOBAL[name]
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, suffix = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_BLOCK[module]}.{suffix}"
-        if ".q_proj." in name:
-            a = _permute(a, 4)
-        elif ".k_proj." in name:
-            a = _permute(a, 2)
-        kind = ("F32" if a.ndim == 1 else embed_t if "embed" in name
-                else out_t if "lm_head" in name else down_t if "down_proj" in name
-                else layer_t)
-        a = np.ascontiguousarray(a)
-        if kind == "F32":
-            w.add_tensor(gname, a)
-        elif kind == "F16":
-            w.add_tensor(gname, a.astype(np.float16))
-        else:
-            q = quantize(a, T[kind])
-            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=T[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def kind_of(name: str) -> str:
+        return (embed_t if "embed" in name else out_t if "lm_head" in name
+                else down_t if "down_proj" in name else layer_t)
+
+    write_llama_gguf(path, tok, hidden=64, ffn=128, tied=out_t is None, kind_of=kind_of,
+                     seed=seed)
 
 
-@pytest.fixture(scope="module", params=list(FILES))
-def gguf_file(request, tmp_path_factory, tokenizer_fields):
-    path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
-    write_llama_gguf(path, FILES[request.param], tokenizer_fields)
-    return request.param, path
-
-
-@pytest.fixture(scope="module")
-def loaded(gguf_file):
-    name, path = gguf_file
-    return name, load_checkpoint(path)
+gguf_file, loaded = served_gguf_fixtures(FILES, write_spec_gguf)
 
 
 def _served(stored: dict[str, torch.Tensor], names) -> dict[str, object]:
@@ -251,13 +168,6 @@ def test_checkpoint_blocks_name_every_2d_weight(loaded):
         assert ckpt.blocks["lm_head.weight"].data is None
 
 
-@needs_kernel
-def test_default_format_is_the_files_own(loaded):
-    name, ckpt = loaded
-    assert default_weight_format(dtype="float32", device="cpu", recipe="llama",
-                                 source=ckpt.source) == FILES[name][-1]
-
-
 def test_a_k_quant_or_mixed_file_is_kx8():
     """Files neither q4x8 nor q8x8 hold whole go to kx8 (test_kquant.py), which keeps
     every weight in its own type."""
@@ -274,112 +184,12 @@ def test_a_k_quant_or_mixed_file_is_kx8():
 
 # ---- engines ------------------------------------------------------------------------------
 
-def _maker(ckpt, fmt: str):
-    stored = convert_tensors(ckpt.tensors, fmt, ckpt.blocks)
-
-    def make(max_batch_tokens: int, max_num_seqs: int) -> Engine:
-        plan = make_plan(ckpt.config, max_seq_len=256, max_num_seqs=max_num_seqs,
-                         max_batch_tokens=max_batch_tokens, page_size=16)
-        return Engine(ckpt.config, plan, stored, ckpt.tokenizer)
-
-    return make, stored
-
-
-@needs_kernel
-def test_exact_in_the_default_format(loaded):
-    from exactness import check_batch_neighbours, check_chunkings
-
-    name, ckpt = loaded
-    make, _ = _maker(ckpt, FILES[name][-1])
-    prompt = words(40, seed=9)
-    check_chunkings(make, prompt, 5)
-    check_batch_neighbours(make, prompt, 5)
-
-
-@needs_kernel
-def test_greedy_tokens_equal_transformers_on_the_files_values(loaded):
-    """transformers on the dequantized file values, with every linear layer that Flare
-    feeds int8 activations (all but a float output layer) seeing its input rounded to
-    int8 blocks: the same greedy tokens, last-position logits within summation order
-    (one int8 rounding step where an activation sits at a midpoint)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine_helpers import last_position_logits
-    from flare.models.quant.blocks import quantize_q8
-    from flare.runtime.request import GenerationRequest, SamplingParams
-
-    name, ckpt = loaded
-    make, stored = _maker(ckpt, FILES[name][-1])
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**ckpt.config.to_hf()),
-                                             dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(ckpt.tensors, strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing)
-    model.tie_weights()
-    float_head = isinstance(weight_getter(stored)(
-        "lm_head.weight" if "lm_head.weight" in ckpt.tensors else "model.embed_tokens.weight"),
-        torch.Tensor)
-
-    def hook(module, args):
-        x = args[0]
-        return (quantize_q8(x.reshape(-1, x.shape[-1])).dequantize().view(x.shape),)
-
-    for mname, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not (float_head and mname == "lm_head"):
-            module.register_forward_pre_hook(hook)
-    engine = make(max_batch_tokens=64, max_num_seqs=4)
-    prompts = [words(n, seed=20 + n) for n in (3, 17, 40)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outs = engine.run_until_idle([GenerationRequest(str(i), ids, params)
-                                  for i, ids in enumerate(prompts)])
-    diffs = []
-    for i, ids in enumerate(prompts):
-        ours = sum((o.token_ids for o in outs[str(i)]), [])
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
-                             do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(ids):].tolist()
-        assert ours == ref
-        with torch.no_grad():
-            ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
-        diff = float((last_position_logits(engine, ids) - ref_logits).abs().max())
-        print(f"{name}: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
-        diffs.append(diff)
+class TestServedGGUF(ServedGGUFChecks):
+    files = FILES
     # summation order alone (about 2e-7), except where an activation sits at an int8
     # rounding midpoint and last-bit differences move it a whole step: seen once in
     # these 12 prompts (q4_0, 17 tokens: 2.9e-3), tokens still equal
-    assert sorted(diffs)[len(diffs) // 2] < 1e-5 and max(diffs) < 1e-2, diffs
-    engine.check_integrity()
-
-
-@needs_kernel
-def test_prepare_serves_the_files_blocks(gguf_file, tmp_path):
-    """`flare prepare` with defaults: the file's format, its blocks in the package, the
-    memory report's weight bytes as `serving_weight_bytes` counts them, served tokens
-    equal to an engine over the converted tensors."""
-    from flare.prepare.package import prepare_package
-    from flare.package.reader import load_package
-    from flare.runtime.request import GenerationRequest, SamplingParams
-
-    name, path = gguf_file
-    fmt = FILES[name][-1]
-    m = prepare_package(path, tmp_path / "pkg", max_seq_len=128, progress=False)
-    assert m.tuning["weights"] == fmt
-    ckpt = load_checkpoint(path)
-    stored = convert_tensors(ckpt.tensors, fmt, ckpt.blocks)
-    assert m.memory["weights_bytes"] == serving_weight_bytes(
-        stored, fmt, ckpt.config.tie_word_embeddings)
-    loaded_pkg = load_package(tmp_path / "pkg")
-    for k, v in stored.items():
-        assert torch.equal(loaded_pkg.tensors[k], v), k
-    ids = words(20, seed=4)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-    def run(engine):
-        outs = engine.run_until_idle([GenerationRequest("r", ids, params)])
-        return sum((o.token_ids for o in outs["r"]), [])
-
-    plan = make_plan(ckpt.config, max_seq_len=128, max_num_seqs=8)
-    assert run(Engine.from_package(loaded_pkg)) == run(
-        Engine(ckpt.config, plan, stored, ckpt.tokenizer))
+    max_diff = 1e-2
 
 
 @pytest.mark.slow

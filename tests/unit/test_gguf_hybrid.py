@@ -28,6 +28,7 @@ from engine_helpers import greedy, run, small_engine, words
 from exactness import assert_same_logits, run_recorded
 from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
 from gguf.quants import dequantize, quantize
+from gguf_files import add_shape, add_tokenizer, close_gguf, tokenizer_fields_of
 from hybrid_models import (
     LFM2_RULES,
     QWEN3_5_RULES,
@@ -135,12 +136,7 @@ def write_pair(arch: str, mix: str, root, tok_fields: dict, tokenizer, seed: int
     model = _random_model(cfg, seed, QWEN3_5_RULES if arch == "qwen35" else LFM2_RULES)
     rng = np.random.default_rng(seed)
     w = GGUFWriter(str(root / f"{arch}-{mix}.gguf"), arch)
-    w.add_name(f"tiny {arch}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
+    add_shape(w, f"tiny {arch}", cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "lfm2":
         w.add_head_count_kv([cfg.num_key_value_heads if t != "conv" else 0
@@ -161,14 +157,7 @@ def write_pair(arch: str, mix: str, root, tok_fields: dict, tokenizer, seed: int
         w.add_full_attention_interval(2)
         w.add_rope_dimension_count(int(cfg.head_dim * 0.25))
         w.add_rope_dimension_sections([1, 1, 0, 0])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok_fields["tokenizer.ggml.pre"])
-    w.add_token_list(tok_fields["tokenizer.ggml.tokens"])
-    w.add_token_types(tok_fields["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok_fields["tokenizer.ggml.merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(tok_fields["tokenizer.chat_template"])
+    add_tokenizer(w, tok_fields)
     state = model.state_dict()
     for name, t in list(state.items()):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -189,10 +178,7 @@ def write_pair(arch: str, mix: str, root, tok_fields: dict, tokenizer, seed: int
         hf = torch.empty(t.numel())
         hf[index] = values
         state[name].copy_(hf.reshape(t.shape))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
     folder = root / f"{arch}-{mix}-folder"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -201,10 +187,7 @@ def write_pair(arch: str, mix: str, root, tok_fields: dict, tokenizer, seed: int
 
 @pytest.fixture(scope="module")
 def tok_fields(embedded_gguf):
-    r = open_gguf(embedded_gguf)
-    return {k: r.fields[k].contents() for k in (
-        "tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-        "tokenizer.ggml.pre", "tokenizer.chat_template")}
+    return tokenizer_fields_of(embedded_gguf)
 
 
 @pytest.fixture(scope="module")
@@ -327,9 +310,6 @@ def test_a_qwen35_file_whose_layers_break_the_interval_is_refused(tmp_path, tok_
         (w.add_uint32 if isinstance(value, int) else w.add_float32)(f"qwen35.{key}", value)
     w.add_tensor("token_embd.weight", np.zeros((10, 32), np.float32))
     w.add_tensor("blk.1.ssm_a", np.zeros(2, np.float32))  # layer 1 should be full attention
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
     with pytest.raises(ValueError, match="full_attention_interval 2"):
         gguf_hf_config(open_gguf(tmp_path / "bad.gguf"), "bad.gguf")

@@ -11,6 +11,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter
+from gguf_files import (
+    add_shape,
+    add_tokenizer,
+    close_gguf,
+    llama_gguf_name,
+    llamacpp_permute,
+)
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.gguf import hf_tensor_name, open_gguf, unpermute_qk
@@ -110,12 +117,6 @@ def test_hf_tensor_names():
     assert hf_tensor_name("rope_freqs.weight") is None
 
 
-def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.LlamaModel.permute, as llama.cpp writes q_proj / k_proj."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
-
-
 @pytest.mark.parametrize("n_head,head_dim,cols", [(9, 64, 576), (3, 64, 576), (4, 16, 0)])
 def test_unpermute_inverts_llamacpp(n_head, head_dim, cols):
     shape = (n_head * head_dim, cols) if cols else (n_head * head_dim,)
@@ -126,25 +127,6 @@ def test_unpermute_inverts_llamacpp(n_head, head_dim, cols):
 
 
 # ---- tiny GGUFs written from known HF tensors ---------------------------------------------
-
-_HF_TO_GGUF_BLOCK = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_HF_TO_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
-                      "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-
-
-def gguf_name(hf: str) -> str:
-    if hf in _HF_TO_GGUF_GLOBAL:
-        return _HF_TO_GGUF_GLOBAL[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_HF_TO_GGUF_BLOCK[module]}.{suffix}"
-
 
 TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -174,8 +156,9 @@ def tokenizer_fields():
     merged = [m.replace(" ", "") for m in merges]
     tokens = specials + byte_chars() + merged
     types = [3] * len(specials) + [1] * (len(tokens) - len(specials))
-    return {"tokens": tokens, "merges": merges, "types": types, "pre": "gpt2",
-            "template": TINY_TEMPLATE}
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.pre": "gpt2",
+            "tokenizer.chat_template": TINY_TEMPLATE}
 
 
 VOCAB = 3 + 256 + 5
@@ -203,26 +186,14 @@ def tiny_hf_model(arch: str, tied: bool):
 def write_tiny_gguf(path: Path, arch: str, model, tok: dict) -> None:
     cfg = model.config
     w = GGUFWriter(str(path), arch)
-    w.add_name(f"tiny {arch}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
+    add_shape(w, f"tiny {arch}", cfg)
     w.add_head_count_kv(cfg.num_key_value_heads)
     if arch == "qwen3":
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok["pre"])
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["types"])
-    w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(tok["template"])
+    add_tokenizer(w, tok)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -231,11 +202,8 @@ def write_tiny_gguf(path: Path, arch: str, model, tok: dict) -> None:
             a = llamacpp_permute(a, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in name:
             a = llamacpp_permute(a, cfg.num_key_value_heads)
-        w.add_tensor(gguf_name(name), np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        w.add_tensor(llama_gguf_name(name), np.ascontiguousarray(a))
+    close_gguf(w)
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("qwen2", False), ("qwen3", False)])
@@ -295,9 +263,6 @@ def test_unsupported_architecture(tmp_path):
     w = GGUFWriter(str(path), "gpt2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    close_gguf(w)
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported"):
         load_checkpoint(path)

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import last_position_logits
-from transformers import AutoConfig, AutoModelForCausalLM
+from hf_reference import greedy_logit_diffs, hf_model, round_linear_inputs_to_int8
 
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
-from flare.runtime.request import GenerationRequest, SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -33,27 +31,12 @@ NEW_TOKENS = 32
 def test_smollm2_fp16_weights_greedy_tokens_equal_transformers(embedded_checkpoint):
     ckpt = embedded_checkpoint
     stored = convert_tensors(ckpt.tensors, "fp16")
-    cfg = AutoConfig.for_model(**ckpt.config.to_hf())
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.load_state_dict({k: v.float() for k, v in stored.items()}, strict=False)
-    model.tie_weights()
+    model = hf_model(ckpt.config, {k: v.float() for k, v in stored.items()})
     plan = make_plan(ckpt.config, max_seq_len=512, max_num_seqs=4)
     engine = Engine(ckpt.config, plan, stored, ckpt.tokenizer)
     prompts = [ckpt.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    outs = engine.run_until_idle([GenerationRequest(str(i), ids, params)
-                                  for i, ids in enumerate(prompts)])
-    for i, ids in enumerate(prompts):
-        ours = sum((o.token_ids for o in outs[str(i)]), [])
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(ids):].tolist()
-        assert ours == ref
-        with torch.no_grad():
-            ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
-        diff = float((last_position_logits(engine, ids) - ref_logits).abs().max())
-        print(f"fp16 weights: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
-        assert diff < 1e-3
+    diffs = greedy_logit_diffs(engine, model, prompts, NEW_TOKENS, "fp16 weights")
+    assert max(diffs) < 1e-3
     engine.check_integrity()
 
 
@@ -62,10 +45,10 @@ def test_smollm2_fp16_weights_greedy_tokens_equal_transformers(embedded_checkpoi
 def _dequantized(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The float32 weights a `q4` or `q4x8` package stands for, Hugging Face names."""
     from flare.models.quant.storage import (
-        Q4X8_SUFFIXES,
         Q4_SUFFIXES,
-        Q8X8_SUFFIXES,
+        Q4X8_SUFFIXES,
         Q8_SUFFIXES,
+        Q8X8_SUFFIXES,
         weight_getter,
     )
 
@@ -79,48 +62,17 @@ def _dequantized(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _round_activations_to_int8_blocks(model: torch.nn.Module) -> None:
-    """Make every nn.Linear of `model` see its input as `q4x8`'s kernel does: each row
-    quantized per block of 32 (`quantize_q8`) and dequantized again."""
-    from flare.models.quant.blocks import quantize_q8
-
-    def hook(module, args):
-        x = args[0]
-        rows = quantize_q8(x.reshape(-1, x.shape[-1])).dequantize()
-        return (rows.view(x.shape),)
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(hook)
-
-
 def _q4_parity(ckpt, prompts: list[str], new_tokens: int, max_logit_diff: float,
                fmt: str = "q4") -> None:
     stored = convert_tensors(ckpt.tensors, fmt)
-    cfg = AutoConfig.for_model(**ckpt.config.to_hf())
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(_dequantized(stored), strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing)
-    model.tie_weights()
+    model = hf_model(ckpt.config, _dequantized(stored))
     if fmt == "q4x8":
-        _round_activations_to_int8_blocks(model)
+        round_linear_inputs_to_int8(model)
     plan = make_plan(ckpt.config, max_seq_len=512, max_num_seqs=4)
     engine = Engine(ckpt.config, plan, stored, ckpt.tokenizer)
     ids_list = [ckpt.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    outs = engine.run_until_idle([GenerationRequest(str(i), ids, params)
-                                  for i, ids in enumerate(ids_list)])
-    for i, ids in enumerate(ids_list):
-        ours = sum((o.token_ids for o in outs[str(i)]), [])
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(ids):].tolist()
-        assert ours == ref
-        with torch.no_grad():
-            ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
-        diff = float((last_position_logits(engine, ids) - ref_logits).abs().max())
-        print(f"{fmt} weights: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
-        assert diff < max_logit_diff
+    diffs = greedy_logit_diffs(engine, model, ids_list, new_tokens, f"{fmt} weights")
+    assert max(diffs) < max_logit_diff
     engine.check_integrity()
 
 
@@ -167,16 +119,12 @@ def test_smollm2_q4x8_next_tokens_agree_with_transformers(embedded_checkpoint):
     same KL, 1.25: the argmax flips sit at near-ties). Bounds: at most 6 disagreements
     of 96, KL mean under 1e-2 and max under 0.1."""
     import torch.nn.functional as F
-
     from engine_helpers import position_logits
 
     ckpt = embedded_checkpoint
     stored = convert_tensors(ckpt.tensors, "q4x8")
-    cfg = AutoConfig.for_model(**ckpt.config.to_hf())
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.load_state_dict(_dequantized(stored), strict=False)
-    model.tie_weights()
-    _round_activations_to_int8_blocks(model)
+    model = hf_model(ckpt.config, _dequantized(stored))
+    round_linear_inputs_to_int8(model)
     engine = Engine(ckpt.config, make_plan(ckpt.config, max_seq_len=512, max_num_seqs=4),
                     stored, ckpt.tokenizer)
     agree, total, kls, diffs = 0, 0, [], []

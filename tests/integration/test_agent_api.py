@@ -11,12 +11,11 @@ Requests are few and short (max_tokens <= 100, greedy).
 
 from __future__ import annotations
 
-import asyncio
 import json
-from dataclasses import replace
 
 import jsonschema
 import pytest
+from scripted_engine import ScriptedEngine, answer
 from server_thread import embedded_server_fixture
 
 pytestmark = pytest.mark.slow
@@ -237,51 +236,13 @@ SHELL_TOOL = {"type": "function", "function": {
                                         "properties": {"command": {"type": "string"}}}}}
 
 
-class _ScriptedEngine:
-    """AsyncEngine stand-in that answers every request with `text`, a few characters per
-    output (so markup is split across stream chunks)."""
-
-    model_name = "fake"
-    package_id = "pkg-fake"
-
-    def __init__(self, tokenizer, text):
-        from flare.package.plan import CapacityPlan
-
-        self.tokenizer = tokenizer
-        self.plan = CapacityPlan(max_seq_len=1024, max_num_seqs=2, page_size=16, num_pages=128,
-                                 max_batch_tokens=64)
-        self.text = text
-        self.requests = []
-
-    def stats(self):
-        return {}
-
-    async def generate(self, request):
-        from flare.runtime.request import RequestOutput, RequestTimings
-
-        self.requests.append(request)
-        pieces = [self.text[i:i + 5] for i in range(0, len(self.text), 5)]
-        for k, piece in enumerate(pieces):
-            await asyncio.sleep(0)
-            last = k == len(pieces) - 1
-            yield RequestOutput(request.request_id, text=piece, finished=last,
-                                finish_reason="stop" if last else None,
-                                num_prompt_tokens=len(request.prompt_token_ids),
-                                num_completion_tokens=k + 1,
-                                timings=replace(RequestTimings(request.arrival_ns), finished_ns=1)
-                                if last else None)
-
-    async def shutdown(self):
-        pass
-
-
 def _scripted_client(tokenizer, text):
     from fastapi.testclient import TestClient
     from openai import OpenAI
 
     from flare.server.app import create_app
 
-    engine = _ScriptedEngine(tokenizer, text)
+    engine = ScriptedEngine(tokenizer, answer(text))
     http = TestClient(create_app(engine), raise_server_exceptions=False)
     return engine, OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
                           max_retries=0)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
 
 import httpx
 import pytest
 from http_helpers import http_client_fixture, wait_idle
+from scripted_engine import ScriptedEngine
 from server_thread import embedded_server_fixture
 
 pytestmark = pytest.mark.slow
@@ -365,36 +365,10 @@ def test_invalid_requests(client):
 # --------------------------------------------------------------------------- engine failures
 
 
-class _ScriptedEngine:
-    """AsyncEngine stand-in whose outputs (or exception) come from a script."""
-
-    model_name = "fake"
-    package_id = "pkg-fake"
-
-    def __init__(self, tokenizer, script):
-        from flare.package.plan import CapacityPlan
-
-        self.tokenizer = tokenizer
-        self.plan = CapacityPlan(max_seq_len=512, max_num_seqs=2, page_size=16, num_pages=64,
-                                 max_batch_tokens=64)
-        self.script = script
-        self.closed: list[str] = []
-
-    def stats(self):
-        return {"num_running": 0, "num_waiting": 0, "pages_total": 64, "pages_free": 64,
-                "pages_used": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
-                "requests_finished_total": 0}
-
-    async def generate(self, request):
-        try:
-            for out in self.script(request):
-                await asyncio.sleep(0)
-                yield replace(out, request_id=request.request_id)
-        finally:
-            self.closed.append(request.request_id)
-
-    async def shutdown(self):
-        pass
+# the figures of an idle engine with the fake client's 64 pages
+IDLE_STATS = {"num_running": 0, "num_waiting": 0, "pages_total": 64, "pages_free": 64,
+              "pages_used": 0, "prompt_tokens_total": 0, "generation_tokens_total": 0,
+              "requests_finished_total": 0}
 
 
 def _fake_client(checkpoint, script):
@@ -402,7 +376,8 @@ def _fake_client(checkpoint, script):
 
     from flare.server.app import create_app
 
-    engine = _ScriptedEngine(checkpoint.tokenizer, script)
+    engine = ScriptedEngine(checkpoint.tokenizer, script, max_seq_len=512, num_pages=64,
+                            stats=IDLE_STATS)
     return engine, TestClient(create_app(engine), raise_server_exceptions=False)
 
 

@@ -16,11 +16,10 @@ outputs, as the engine streams it) and a recorded finish reason; the real app
 
 from __future__ import annotations
 
-import asyncio
 import json
-from dataclasses import replace
 
 import pytest
+from scripted_engine import ScriptedEngine, answer
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -56,45 +55,6 @@ STREAMS = [
 ]
 
 
-class ScriptedEngine:
-    """AsyncEngine stand-in: every request is answered with `text` and `reason`; the
-    requests it received are kept."""
-
-    model_name = "fake"
-    package_id = "pkg-fake"
-
-    def __init__(self, tokenizer) -> None:
-        from flare.package.plan import CapacityPlan
-
-        self.tokenizer = tokenizer
-        self.plan = CapacityPlan(max_seq_len=1024, max_num_seqs=2, page_size=16,
-                                 num_pages=128, max_batch_tokens=64)
-        self.text, self.reason = "", "stop"
-        self.requests: list = []
-
-    def stats(self):
-        return {}
-
-    async def generate(self, request):
-        from flare.runtime.request import RequestOutput, RequestTimings
-
-        self.requests.append(request)
-        pieces = [self.text[i:i + 5] for i in range(0, len(self.text), 5)] or [""]
-        for k, piece in enumerate(pieces):
-            await asyncio.sleep(0)
-            last = k == len(pieces) - 1
-            yield RequestOutput(
-                request.request_id, token_ids=[7], text=piece, finished=last,
-                finish_reason=self.reason if last else None,
-                num_prompt_tokens=len(request.prompt_token_ids), num_completion_tokens=k + 1,
-                num_cached_tokens=0,
-                timings=replace(RequestTimings(request.arrival_ns), finished_ns=1)
-                if last else None)
-
-    async def shutdown(self):
-        pass
-
-
 @pytest.fixture(scope="module")
 def surfaces(smollm2_tokenizer):
     """(engine, openai client, anthropic client) over one app."""
@@ -103,7 +63,7 @@ def surfaces(smollm2_tokenizer):
 
     from flare.server.app import create_app
 
-    engine = ScriptedEngine(smollm2_tokenizer)
+    engine = ScriptedEngine(smollm2_tokenizer, answer(""))
     http = TestClient(create_app(engine), raise_server_exceptions=False)
     oai = OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
     ant = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=http,
@@ -179,7 +139,7 @@ SURFACES = [(_chat, 0), (_messages, 1), (_responses, 2)]
 def test_core_stream_to_protocol(surfaces, surface, which, name, text, engine_reason, mode,
                                  want_text, want_calls, reasons):
     engine, oai, ant = surfaces
-    engine.text, engine.reason = text, engine_reason
+    engine.script = answer(text, engine_reason)
     client = ant if surface is _messages else oai
     whole = surface(client, mode, stream=False)
     assert whole == (want_text, want_calls, reasons[which])
@@ -192,7 +152,7 @@ def test_same_conversation_same_core_request(surfaces, mode):
     """One conversation (system, user, two tools) sent to each surface reaches the core as
     one request: prompt ids, budget, temperature; a grammar exactly when calls are forced."""
     engine, oai, ant = surfaces
-    engine.text, engine.reason = "ok", "stop"
+    engine.script = answer("ok")
     got = []
     for surface, _ in SURFACES:
         surface(ant if surface is _messages else oai, mode, stream=False)

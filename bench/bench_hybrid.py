@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -232,6 +233,14 @@ def bench_recipe(recipe: str, root: Path, tokenizer, repeats: int, size: str) ->
     }
 
 
+def print_table(head: str, lines: Iterable[str]) -> None:
+    """Print a table: its header, a rule as wide, then one line per row."""
+    print(head)
+    print("-" * len(head))
+    for line in lines:
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", default="qwen3_5,lfm2",
@@ -265,30 +274,22 @@ def main() -> None:
     print(f"conversation: {SYSTEM_TOKENS}-token prefix, +{USER_TOKENS} user and "
           f"{REPLY_TOKENS} reply tokens a turn; turn 10 prompt {rows[0]['turn10_prompt']} "
           f"tokens; median of {args.repeats} conversations")
-    head = (f"{'recipe':8} {'prefill 512 tok/s':>17} {'decode b1 tok/s':>15} "
-            f"{'decode b8 tok/s':>15} {'turn-10 TTFT on ms':>18} {'off ms':>8} {'off/on':>7} "
-            f"{'reused tok':>10}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['recipe']:8} {r['prefill']:17.0f} {r['dec1']:15.1f} {r['dec8']:15.1f} "
-              f"{r['ttft_on']:18.1f} {r['ttft_off']:8.1f} {r['ttft_off'] / r['ttft_on']:7.2f} "
-              f"{r['turn10_reused']:>10.0f}")
-    head = (f"{'recipe':8} {'same prompt twice: TTFT on ms':>29} {'off ms':>8} "
-            f"{'cached tok':>10} {'first send on ms':>16}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['recipe']:8} {r['same_on']:29.1f} {r['same_off']:8.1f} "
-              f"{r['same_cached']:>10.0f} {r['same_first_on']:16.1f}")
-    head = (f"{'recipe':8} {'turn-10 TTFT after restart ms':>29} {'cached tok':>10} "
-            f"{'decode b8 write-through on':>26} {'off tok/s':>9} {'slowdown':>8}")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['recipe']:8} {r['restart_ttft']:29.1f} {r['restart_cached']:>10.0f} "
-              f"{r['wt_on']:26.1f} {r['wt_off']:9.1f} "
-              f"{100 * (1 - r['wt_on'] / r['wt_off']):7.1f}%")
+    print_table(f"{'recipe':8} {'prefill 512 tok/s':>17} {'decode b1 tok/s':>15} "
+                f"{'decode b8 tok/s':>15} {'turn-10 TTFT on ms':>18} {'off ms':>8} "
+                f"{'off/on':>7} {'reused tok':>10}",
+                (f"{r['recipe']:8} {r['prefill']:17.0f} {r['dec1']:15.1f} {r['dec8']:15.1f} "
+                 f"{r['ttft_on']:18.1f} {r['ttft_off']:8.1f} "
+                 f"{r['ttft_off'] / r['ttft_on']:7.2f} {r['turn10_reused']:>10.0f}"
+                 for r in rows))
+    print_table(f"{'recipe':8} {'same prompt twice: TTFT on ms':>29} {'off ms':>8} "
+                f"{'cached tok':>10} {'first send on ms':>16}",
+                (f"{r['recipe']:8} {r['same_on']:29.1f} {r['same_off']:8.1f} "
+                 f"{r['same_cached']:>10.0f} {r['same_first_on']:16.1f}" for r in rows))
+    print_table(f"{'recipe':8} {'turn-10 TTFT after restart ms':>29} {'cached tok':>10} "
+                f"{'decode b8 write-through on':>26} {'off tok/s':>9} {'slowdown':>8}",
+                (f"{r['recipe']:8} {r['restart_ttft']:29.1f} {r['restart_cached']:>10.0f} "
+                 f"{r['wt_on']:26.1f} {r['wt_off']:9.1f} "
+                 f"{100 * (1 - r['wt_on'] / r['wt_off']):7.1f}%" for r in rows))
     for r in rows:
         slots, per_slot, pool, kv, every = r["state"]
         print(f"{r['recipe']}: state pool {slots} slots x {per_slot:,} B = {pool:,} B "

@@ -50,9 +50,10 @@ import torch
 from flare.cache_dir import default_cache_dir
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp",
-                                                 "attention.cpp", "recurrent.cpp", "dense.cpp")]
+                                                 "attention.cpp", "recurrent.cpp", "dense.cpp",
+                                                 "layers.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
-HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h")]  # included by the sources
+HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h", "ops.h")]  # included by the sources
 # -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp
 # parallel`; compiled without OpenMP it runs every call on one thread. The module then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
@@ -243,6 +244,8 @@ def qgemm() -> ModuleType:
             (dense.cpp: row-invariant, a row's result never depends on the other rows
             of the call or the thread count)
         rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention (see `fused_ops`)
+        DenseLayers(...): every decoder layer of a dense step in one call (layers.cpp,
+            `flare.models.native_layers`)
 
     Raises:
         KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, or the build

@@ -37,6 +37,7 @@
 #include <immintrin.h>
 
 #include "simd.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -338,6 +339,26 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 }
 
 }  // namespace
+
+namespace flare_ops {  // ops.h
+torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, const torch::Tensor& gather,
+                               const torch::Tensor& lengths, int64_t rows_per_seq,
+                               double scale) {
+  return ::cached_attention(q, k_cache, v_cache, gather, lengths, rows_per_seq, scale);
+}
+torch::Tensor decode_attention_gather(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                      const torch::Tensor& v_cache,
+                                      const torch::Tensor& gather,
+                                      const torch::Tensor& lengths, double scale) {
+  return ::decode_attention_gather(q, k_cache, v_cache, gather, lengths, scale);
+}
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                               const torch::Tensor& v_cache, int64_t start, int64_t length,
+                               double scale) {
+  return ::decode_attention(q, k_cache, v_cache, start, length, scale);
+}
+}  // namespace flare_ops
 
 void flare_register_attention(pybind11::module_& m) {
   m.def("cached_attention", &cached_attention,

@@ -35,6 +35,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -215,6 +217,17 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& panels, in
 }
 
 }  // namespace
+
+namespace flare_ops {  // ops.h
+torch::Tensor f16_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                         const c10::optional<torch::Tensor>& bias) {
+  return ::f16_linear(x, panels, N, bias);
+}
+torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
+                         const c10::optional<torch::Tensor>& bias) {
+  return ::f32_linear(x, panels, N, bias);
+}
+}  // namespace flare_ops
 
 void flare_register_dense(pybind11::module_& m) {
   m.def("dense_pack", &dense_pack,

@@ -32,6 +32,7 @@
 #include <immintrin.h>
 
 #include "simd.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstring>
@@ -261,6 +262,25 @@ torch::Tensor silu_mul(const torch::Tensor& gu) {
 }
 
 }  // namespace
+
+namespace flare_ops {  // ops.h
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  return ::rms_norm(x, w, eps);
+}
+torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& w,
+                           double eps) {
+  return ::add_rms_norm(x, r, w, eps);
+}
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& positions,
+                         torch::Tensor& k_cache, torch::Tensor& v_cache,
+                         const torch::Tensor& slots, int64_t H, int64_t KVH,
+                         const c10::optional<torch::Tensor>& qk_norm, double eps) {
+  return ::rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, H, KVH, qk_norm,
+                      eps);
+}
+torch::Tensor silu_mul(const torch::Tensor& gu) { return ::silu_mul(gu); }
+}  // namespace flare_ops
 
 void flare_register_fused(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "y[T, H] = w * (x * rsqrt(mean(x^2) + eps)), float32",

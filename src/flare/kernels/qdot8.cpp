@@ -42,6 +42,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "ops.h"
 #include "qrows.h"
 
 #include <algorithm>
@@ -445,6 +446,26 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows_q8(const torch::Tensor& x
 }
 
 }  // namespace
+
+namespace flare_ops {  // ops.h
+torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& scales, const torch::Tensor& mins) {
+  return ::q4x8_linear(x, codes, scales, mins);
+}
+torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& scales) {
+  return ::q8x8_linear(x, codes, scales);
+}
+torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& scales, const torch::Tensor& mins,
+                           const torch::Tensor& d, const torch::Tensor& dmin) {
+  return ::q4kx8_linear(x, codes, scales, mins, d, dmin);
+}
+torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& scales, const torch::Tensor& d) {
+  return ::q6kx8_linear(x, codes, scales, d);
+}
+}  // namespace flare_ops
 
 void flare_register_qdot8(pybind11::module_& m) {
   m.def("q4x8_linear", &q4x8_linear,

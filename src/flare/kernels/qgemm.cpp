@@ -243,6 +243,7 @@ void flare_register_qdot8(pybind11::module_& m);  // qdot8.cpp
 void flare_register_dense(pybind11::module_& m);  // dense.cpp
 void flare_register_attention(pybind11::module_& m);  // attention.cpp
 void flare_register_recurrent(pybind11::module_& m);  // recurrent.cpp
+void flare_register_layers(pybind11::module_& m);  // layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Flare block-quantized (q4, q8) and row-invariant dense (f16, f32) weight GEMMs "
@@ -256,4 +257,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   flare_register_fused(m);  // rms_norm, add_rms_norm, rope_store, silu_mul
   flare_register_attention(m);  // cached_attention, decode_attention(_gather)
   flare_register_recurrent(m);  // gated_delta_rule
+  flare_register_layers(m);  // DenseLayers: every decoder layer of a dense step
 }

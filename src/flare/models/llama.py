@@ -22,7 +22,9 @@ serving dtype is float32 on CPU and the module loads, else the torch path;
 reference, used by the tests to compare); `fused=True` requires the fused ops. Where the
 kernel cannot be built the torch path below runs unchanged. The two paths agree to about
 1e-6 relative (different summation order in norms, a polynomial exp in SiLU and softmax);
-`forward` on a cache of another dtype runs the torch path.
+`forward` on a cache of another dtype runs the torch path. Where the weights allow
+(`flare.models.native_layers`), the fused path runs all layers of a step in one native
+call of the same kernels, bit-identical to its per-op Python loop.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from flare.models.attention import (AttentionBatch, paged_attention,
                                     static_decode_attention)
 from flare.models.config import ModelConfig
+from flare.models.native_layers import native_forward, native_layers
 from flare.models.quant.linear import Linear
 from flare.models.quant.stacked import cat_weights
 from flare.models.quant.storage import weight_getter
@@ -178,6 +181,8 @@ class LlamaModel:
                 if layer.qk_norm is not None:
                     layer.qk_norm = layer.qk_norm.contiguous()
             self.final_norm = self.final_norm.contiguous()
+        # all layers of a step in one native call (same kernels, same order), or None
+        self.native = native_layers(self)
 
     @property
     def weights_nbytes(self) -> int:
@@ -300,13 +305,19 @@ class LlamaModel:
 
         The residual stream x is updated in place by `add_rms_norm`, which also yields the
         next norm's output (the post-attention norm, the next layer's input norm, or the
-        final norm)."""
+        final norm). Where `self.native` (`flare.models.native_layers`) covers the
+        weights and the step, all layers run in one native call of the same kernels in
+        the same order (bit-identical); the loop below is that call's reference."""
         ops = self.fused_ops
         h, kvh, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         t = input_ids.shape[0]
         x = self.embed[input_ids].to(self.dtype).contiguous()  # [T, hidden], a fresh tensor
         positions = positions.to(torch.int64).contiguous()
         slots = batch.slot_mapping.to(torch.int64).contiguous()
+        if self.native is not None:
+            y = native_forward(self.native, x, positions, slots, batch, kv)
+            if y is not None:
+                return y
         k_cache, v_cache = kv.k_layers, kv.v_layers
         layers = self.layers
         y = ops.rms_norm(x, layers[0].input_norm, eps)

@@ -1,0 +1,221 @@
+// Every decoder layer of a dense (recipe `llama`) step in one native call.
+//
+// `DenseLayers` keeps the model's per-layer weights, described once at load
+// (flare.models.native_layers builds the description), and `forward` runs all layers of
+// a step: the same kernel functions as LlamaModel._forward_fused, in the same order, on
+// the same inputs (ops.h), so the hidden states are bit-identical to that path; only
+// the Python between the kernels is gone (wrappers, views, per-layer argument packing).
+//
+//   DenseLayers(layers, final_norm, cos, sin_signed, num_heads, num_kv_heads, eps, scale)
+//     layers: per layer (input_norm [hidden], qkv, qk_norm [H + KVH, D] | None, o_proj,
+//             post_norm [hidden], gate_up, down); each linear a tuple
+//             (kind, tensors, out_features, bias | None, parts) with kind
+//               "q4x8" (codes, scales, mins), "q8x8" (codes, scales),
+//               "q4kx8" (codes, scales, mins, d, dmin), "q6kx8" (codes, scales, d),
+//               "f16" / "f32" (panels), or "stacked" (parts: linears, outputs
+//               concatenated, then the bias added), as flare.models.quant.linear.Linear
+//               runs them.
+//   forward(x [T, hidden], positions int64 [T], slots int64 [T], k [L, S, KVH, D],
+//           v [L, S, KVH, D], decode_kind, decode_rows, decode_span, decode_len,
+//           decode_gather | None, decode_lengths | None, chunk_starts, chunk_lens,
+//           chunk_gathers) -> y [T, hidden]
+//     x: the embedded tokens, a fresh contiguous tensor (the residual, updated in
+//     place); y: the final norm's output. decode_kind 0: no decode group; 1: one
+//     sequence over consecutive slots [decode_span, decode_span + decode_len)
+//     (decode_attention); 2: decode_rows sequences over decode_gather [B, M] with
+//     decode_lengths [B] (decode_attention_gather). Chunk c: rows
+//     [chunk_starts[c], + chunk_lens[c]) over cache slots chunk_gathers[c] [1, ctx].
+//
+// Threads: each kernel splits its own work with at::parallel_for (one OpenMP region per
+// kernel that asks for one, as on the Python path; decode's small ops stay on the calling
+// thread). The GIL is released for the whole step.
+
+#include <torch/extension.h>
+
+#include "ops.h"
+
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace py = pybind11;
+
+enum class Kind { Q4X8, Q8X8, Q4KX8, Q6KX8, F16, F32, STACKED };
+
+struct LinearSpec {
+  Kind kind;
+  std::vector<torch::Tensor> t;
+  int64_t n = 0;
+  c10::optional<torch::Tensor> bias;
+  std::vector<LinearSpec> parts;
+};
+
+LinearSpec parse_linear(const py::handle& obj) {
+  const auto tup = obj.cast<py::tuple>();
+  TORCH_CHECK(tup.size() == 5, "a linear is (kind, tensors, out_features, bias, parts)");
+  LinearSpec s;
+  const auto kind = tup[0].cast<std::string>();
+  s.t = tup[1].cast<std::vector<torch::Tensor>>();
+  s.n = tup[2].cast<int64_t>();
+  if (!tup[3].is_none()) s.bias = tup[3].cast<torch::Tensor>();
+  size_t want = 0;
+  if (kind == "q4x8") s.kind = Kind::Q4X8, want = 3;
+  else if (kind == "q8x8") s.kind = Kind::Q8X8, want = 2;
+  else if (kind == "q4kx8") s.kind = Kind::Q4KX8, want = 5;
+  else if (kind == "q6kx8") s.kind = Kind::Q6KX8, want = 4;
+  else if (kind == "f16") s.kind = Kind::F16, want = 1;
+  else if (kind == "f32") s.kind = Kind::F32, want = 1;
+  else if (kind == "stacked") s.kind = Kind::STACKED, want = 0;
+  else TORCH_CHECK(false, "unknown linear kind '", kind, "'");
+  TORCH_CHECK(s.t.size() == want, "linear '", kind, "' takes ", want, " tensors, got ",
+              s.t.size());
+  for (const auto& p : tup[4].cast<py::list>()) s.parts.push_back(parse_linear(p));
+  TORCH_CHECK((s.kind == Kind::STACKED) == !s.parts.empty(),
+              "only a 'stacked' linear has parts, and it needs some");
+  return s;
+}
+
+// y = x W^T (+ b), as Linear.__call__ runs this weight (x contiguous)
+torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x) {
+  const auto& t = s.t;
+  torch::Tensor y;
+  switch (s.kind) {
+    case Kind::F16: return flare_ops::f16_linear(x, t[0], s.n, s.bias);
+    case Kind::F32: return flare_ops::f32_linear(x, t[0], s.n, s.bias);
+    case Kind::Q4X8: y = flare_ops::q4x8_linear(x, t[0], t[1], t[2]); break;
+    case Kind::Q8X8: y = flare_ops::q8x8_linear(x, t[0], t[1]); break;
+    case Kind::Q4KX8: y = flare_ops::q4kx8_linear(x, t[0], t[1], t[2], t[3], t[4]); break;
+    case Kind::Q6KX8: y = flare_ops::q6kx8_linear(x, t[0], t[1], t[2]); break;
+    case Kind::STACKED: {
+      std::vector<torch::Tensor> ys;
+      ys.reserve(s.parts.size());
+      for (const auto& p : s.parts) ys.push_back(linear(p, x));
+      y = torch::cat(ys, 1);
+      break;
+    }
+  }
+  if (s.bias.has_value()) y.add_(*s.bias);
+  return y;
+}
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  c10::optional<torch::Tensor> qk_norm;
+  LinearSpec qkv, o_proj, gate_up, down;
+};
+
+class DenseLayers {
+ public:
+  DenseLayers(const py::list& layers, torch::Tensor final_norm, torch::Tensor cos,
+              torch::Tensor sin_signed, int64_t num_heads, int64_t num_kv_heads, double eps,
+              double scale)
+      : final_norm_(std::move(final_norm)), cos_(std::move(cos)),
+        sin_(std::move(sin_signed)), H_(num_heads), KVH_(num_kv_heads), eps_(eps),
+        scale_(scale) {
+    TORCH_CHECK(py::len(layers) > 0, "DenseLayers needs at least one layer");
+    for (const auto& obj : layers) {
+      const auto tup = obj.cast<py::tuple>();
+      TORCH_CHECK(tup.size() == 7, "a layer is (input_norm, qkv, qk_norm, o_proj, "
+                                   "post_norm, gate_up, down)");
+      Layer l;
+      l.input_norm = tup[0].cast<torch::Tensor>();
+      l.qkv = parse_linear(tup[1]);
+      if (!tup[2].is_none()) l.qk_norm = tup[2].cast<torch::Tensor>();
+      l.o_proj = parse_linear(tup[3]);
+      l.post_norm = tup[4].cast<torch::Tensor>();
+      l.gate_up = parse_linear(tup[5]);
+      l.down = parse_linear(tup[6]);
+      layers_.push_back(std::move(l));
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& positions,
+                        const torch::Tensor& slots, const torch::Tensor& k,
+                        const torch::Tensor& v, int64_t decode_kind, int64_t decode_rows,
+                        int64_t decode_span, int64_t decode_len,
+                        const c10::optional<torch::Tensor>& decode_gather,
+                        const c10::optional<torch::Tensor>& decode_lengths,
+                        const std::vector<int64_t>& chunk_starts,
+                        const std::vector<int64_t>& chunk_lens,
+                        const std::vector<torch::Tensor>& chunk_gathers) const {
+    const int64_t L = num_layers();
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) >= L && v.size(0) >= L,
+                "k and v must be [L, S, KVH, D] with at least ", L, " layers");
+    TORCH_CHECK(decode_kind >= 0 && decode_kind <= 2, "decode_kind must be 0, 1 or 2");
+    TORCH_CHECK(decode_kind != 2 || (decode_gather.has_value() && decode_lengths.has_value()),
+                "decode_kind 2 needs decode_gather and decode_lengths");
+    TORCH_CHECK(chunk_starts.size() == chunk_lens.size() &&
+                    chunk_lens.size() == chunk_gathers.size(),
+                "chunk_starts, chunk_lens and chunk_gathers must have one entry a chunk");
+    const int64_t T = x.size(0), D = cos_.size(1);
+    std::vector<torch::Tensor> chunk_ctx;  // lengths [1] of each chunk's context
+    for (const auto& g : chunk_gathers)
+      chunk_ctx.push_back(torch::full({1}, g.size(1), torch::kInt64));
+    const size_t groups = (decode_kind != 0 ? 1 : 0) + chunk_starts.size();
+    TORCH_CHECK(groups > 0, "a step needs a decode group or a prefill chunk");
+
+    torch::Tensor y = flare_ops::rms_norm(x, layers_[0].input_norm, eps_);
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      torch::Tensor kc = k.select(0, i), vc = v.select(0, i);
+      const auto qkv = linear(l.qkv, y).contiguous();  // [T, (H + 2 KVH) * D]
+      const auto q = flare_ops::rope_store(qkv, cos_, sin_, positions, kc, vc, slots, H_,
+                                           KVH_, l.qk_norm, eps_);  // [T, H, D]
+      // paged_attention with the fused ops: one kernel call per group
+      torch::Tensor o, out;
+      if (groups > 1) out = torch::empty_like(q);
+      if (decode_kind != 0) {
+        if (decode_kind == 1)
+          o = flare_ops::decode_attention(q[0].contiguous(), kc, vc, decode_span, decode_len,
+                                          scale_).unsqueeze(0);
+        else
+          o = flare_ops::decode_attention_gather(q.slice(0, 0, decode_rows).contiguous(), kc,
+                                                 vc, *decode_gather, *decode_lengths,
+                                                 scale_);
+        if (groups > 1) out.slice(0, 0, decode_rows).copy_(o);
+      }
+      for (size_t c = 0; c < chunk_starts.size(); ++c) {
+        const int64_t s = chunk_starts[c], t = chunk_lens[c];
+        o = flare_ops::cached_attention(q.slice(0, s, s + t).contiguous(), kc, vc,
+                                        chunk_gathers[c], chunk_ctx[c], t, scale_);
+        if (groups > 1) out.slice(0, s, s + t).copy_(o);
+      }
+      if (groups > 1) o = out;
+      y = flare_ops::add_rms_norm(x, linear(l.o_proj, o.reshape({T, H_ * D})).contiguous(),
+                                  l.post_norm, eps_);
+      const auto m = linear(l.down, flare_ops::silu_mul(linear(l.gate_up, y).contiguous()))
+                         .contiguous();
+      const auto& nxt = i + 1 < L ? layers_[i + 1].input_norm : final_norm_;
+      y = flare_ops::add_rms_norm(x, m, nxt, eps_);  // x += m; the next norm's output
+    }
+    return y;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  torch::Tensor final_norm_, cos_, sin_;
+  int64_t H_, KVH_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+void flare_register_layers(pybind11::module_& m) {
+  py::class_<DenseLayers>(m, "DenseLayers",
+                          "every decoder layer of a dense step in one call (layers.cpp)")
+      .def(py::init<const py::list&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
+                    int64_t, double, double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("cos"), py::arg("sin_signed"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"))
+      .def_property_readonly("num_layers", &DenseLayers::num_layers)
+      .def("forward", &DenseLayers::forward,
+           "all layers of a step; returns the final norm's output [T, hidden]",
+           py::arg("x"), py::arg("positions"), py::arg("slots"), py::arg("k"), py::arg("v"),
+           py::arg("decode_kind"), py::arg("decode_rows"), py::arg("decode_span"),
+           py::arg("decode_len"), py::arg("decode_gather"), py::arg("decode_lengths"),
+           py::arg("chunk_starts"), py::arg("chunk_lens"), py::arg("chunk_gathers"),
+           py::call_guard<py::gil_scoped_release>());
+}

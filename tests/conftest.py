@@ -7,6 +7,7 @@
 - `make_tiny_qwen3`: builder of such folders (sharded, tied, other seed).
 - `tiny_qwen3_dir`: a random 2-layer Qwen3 saved by transformers (fixed seed), with the
   embedded model's tokenizer, so its vocabulary (49,152) is a real one.
+- `tiny_llama`: a random 2-layer Llama (GQA, tied) with that tokenizer, loaded (Checkpoint).
 - `smollm2_package`: the embedded model prepared once (fp32, max_seq_len 2048,
   max_num_seqs 8, page_size 16). Do not modify it: copy it first.
 - `tiny_qwen3_package`: the tiny Qwen3 prepared once (fp32, max_seq_len 256). Do not modify.
@@ -95,6 +96,23 @@ def tiny_qwen3_dir(tmp_path_factory, embedded_checkpoint) -> Path:
     folder = tmp_path_factory.mktemp("tiny-qwen3") / "tiny-qwen3"
     save_tiny_model(folder, embedded_checkpoint.tokenizer)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, embedded_checkpoint):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flare.loading.checkpoint import load_checkpoint
+
+    folder = tmp_path_factory.mktemp("tiny-llama") / "m"
+    torch.manual_seed(11)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                      max_position_embeddings=1024, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    embedded_checkpoint.tokenizer.save_pretrained(folder)
+    return load_checkpoint(folder)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ engine's own sampled logits are recorded.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_helpers import words
 from exactness import check_batch_neighbours, check_chunkings, check_reuse_positions
@@ -39,21 +38,6 @@ def _maker(ckpt):
 
     make.fmt = fmt
     return make
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, embedded_checkpoint):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama") / "m"
-    torch.manual_seed(11)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                      max_position_embeddings=1024, rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    embedded_checkpoint.tokenizer.save_pretrained(folder)
-    return load_checkpoint(folder)
 
 
 @pytest.fixture(scope="module", params=["embedded", "tiny_llama", "tiny_qwen3"])

@@ -27,21 +27,6 @@ PROMPT = words(70, seed=5)  # 4 full pages and a partial one
 BATCH = {f"s{i}": words(9 + 17 * i, seed=300 + i) for i in range(5)}  # 9 .. 77 tokens
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, embedded_checkpoint):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama-native") / "m"
-    torch.manual_seed(12)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
-                      max_position_embeddings=1024, rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    embedded_checkpoint.tokenizer.save_pretrained(folder)
-    return load_checkpoint(folder)
-
-
 CASES = [("embedded", "q4x8"), ("tiny_llama", "q4x8"), ("tiny_llama", "q8x8"),
          ("tiny_qwen3", "q4x8"), ("tiny_qwen3", "q8x8"), ("tiny_qwen3", "full")]
 

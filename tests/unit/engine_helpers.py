@@ -1,12 +1,14 @@
 """Helpers of the engine unit tests on tiny checkpoints: a small engine, a request's
 generated tokens, greedy runs to the end, random token ids, and the one-step
-shared-prefix batch compared with a cold engine (no reuse) of the prefix-reuse tests
+shared-prefix batch and the forked branches compared with a cold engine (no reuse) of
+the prefix-reuse tests
 (test_prefix_reuse.py, KV only; test_hybrid_reuse.py, KV plus layer-state checkpoints),
 and a prompt's last-position logits through the model's prefill (the parity tests)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +74,89 @@ def assert_one_step_batch_equals_cold(engine: Engine, cold: Engine) -> None:
                                   for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert output_tokens(outs[str(i)]) == run(cold, p, greedy(16))[0]
+
+
+def assert_previous_turn_reused(engine: Engine, cold: Engine) -> RequestOutput:
+    """A 37-token turn and its 20-token answer, then the next turn (11 more tokens): all
+    of the previous turn but the last answer token (sampled, never computed) is reused,
+    and the answer equals `cold`'s. Returns the next turn's last output."""
+    turn1 = words(37, seed=3)
+    answer, _ = run(engine, turn1, greedy(20))
+    turn2 = turn1 + answer + words(11, seed=4)
+    got, last = run(engine, turn2)
+    assert last.num_cached_tokens == len(turn1) + len(answer) - 1
+    assert got == run(cold, turn2)[0]
+    return last
+
+
+@dataclass
+class Branches:
+    """What `run_branches` ran: the history, the trunk (history + its answer), branch `a`
+    and its answer, and the cached prompt tokens of `a`, of `b` and of `a` continued."""
+
+    history: list[int]
+    trunk: list[int]
+    a: list[int]
+    got_a: list[int]
+    cached_a: int
+    cached_b: int
+    cached_again: int
+
+
+def run_branches(engine: Engine, cold: Engine) -> Branches:
+    """Case state-branch-isolation: a 50-token history and its 10-token answer, two
+    branches of it (7 and 9 more tokens, 16 generated each), then branch a continued
+    (its answer and 3 more tokens): each answer on `engine` is asserted equal to `cold`'s
+    for the same history. Returns what ran, for the caller's reuse assertions."""
+    history = words(50, seed=10)
+    answer, _ = run(engine, history, greedy(10))
+    trunk = history + answer
+    a = trunk + words(7, seed=11)
+    b = trunk + words(9, seed=12)
+    got_a, last_a = run(engine, a, greedy(16))
+    got_b, last_b = run(engine, b, greedy(16))
+    assert got_a == run(cold, a, greedy(16))[0]
+    assert got_b == run(cold, b, greedy(16))[0]
+    again = a + got_a + words(3, seed=13)
+    got, last = run(engine, again)
+    assert got == run(cold, again)[0]
+    return Branches(history, trunk, a, got_a, last_a.num_cached_tokens,
+                    last_b.num_cached_tokens, last.num_cached_tokens)
+
+
+def assert_random_traffic_accounts(engine: Engine, *, n: int, trunks: int, length: int,
+                                   suffix: int, max_tokens: int, seed: int,
+                                   max_prompt: int | None = None,
+                                   check_every_step: bool = False) -> dict[str, int]:
+    """`n` requests (random.Random(17)): a random prefix (under `length` tokens) of one of
+    `trunks` shared trunks plus up to `suffix` fresh tokens, cut to `max_prompt`, asking
+    for up to `max_tokens` greedy tokens; 0-2 steps after each arrival and ~30% of them
+    aborted mid-way; integrity checked after each arrival (and each draining step with
+    `check_every_step`). Asserts that some reuse was admitted and that every lookup ended
+    as a hit or no match; returns the engine's stats."""
+    rng = random.Random(17)
+    shared = [words(rng.randrange(10, length), seed=seed + i) for i in range(trunks)]
+    live: list[str] = []
+    for i in range(n):
+        ids = (rng.choice(shared)[:rng.randrange(1, length)]
+               + words(rng.randrange(1, suffix), seed + 100 + i))
+        engine.add_request(GenerationRequest(f"q{i}", ids[:max_prompt],
+                                             greedy(rng.randrange(1, max_tokens))))
+        live.append(f"q{i}")
+        for _ in range(rng.randrange(0, 3)):
+            engine.step()
+        if rng.random() < 0.3:
+            engine.abort(rng.choice(live))
+        engine.check_integrity()
+    while engine.scheduler.has_work() or engine._inbox or engine._aborts:
+        engine.step()
+        if check_every_step:
+            engine.check_integrity()
+    stats = engine.stats()
+    assert stats["reuse_outcome_admitted_total"] > 0
+    assert (stats["reuse_lookups_total"]
+            == stats["reuse_outcome_no_match_total"] + stats["reuse_hits_total"])
+    return stats
 
 
 def assert_counters_once_per_request(engine: Engine, cold: Engine, page_size: int,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 RECIPES = ("qwen3_5", "lfm2")
@@ -199,6 +200,19 @@ def build_tiny_hybrid(recipe: str, root: Path, tokenizer, **plan_kw) -> TinyHybr
     out = root / f"pkg-{recipe}"
     prepare_package(folder, out, progress=False, **kw)
     return TinyHybrid(recipe, folder, model, out, load_package(out))
+
+
+def tiny_hybrid_fixture(tag: str, recipes: tuple[str, ...] = RECIPES, **plan_kw):
+    """A module-scoped fixture over `recipes`: each one's tiny model prepared by
+    `build_tiny_hybrid(..., **plan_kw)` with the embedded model's tokenizer, in a folder
+    named `tag`-recipe; assign it to the fixture's name in a test module."""
+    @pytest.fixture(scope="module", params=recipes)
+    def tiny(request, tmp_path_factory, embedded_checkpoint) -> TinyHybrid:
+        root = tmp_path_factory.mktemp(f"{tag}-{request.param}")
+        return build_tiny_hybrid(request.param, root, embedded_checkpoint.tokenizer,
+                                 **plan_kw)
+
+    return tiny
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

@@ -59,25 +59,24 @@ def assert_pools_back_to_baseline(engine: Engine) -> None:
     assert engine.pool.num_used == 0
 
 
-def test_batched_answers_equal_solo_answers(tiny):
-    engine = make_engine(tiny)
-    ps = prompts(tiny, 4)
+def assert_batched_answers_equal_solo_answers(ckpt) -> None:
+    """4 prompts together on one engine of `ckpt`: each answer equals its answer alone."""
+    engine = make_engine(ckpt)
+    ps = prompts(ckpt, 4)
     alone = [tokens(solo(engine, ids)) for ids in ps]
     outs = engine.run_until_idle([GenerationRequest(str(i), ids, GREEDY)
                                   for i, ids in enumerate(ps)])
     assert [tokens(outs[str(i)]) for i in range(4)] == alone
     assert_pools_back_to_baseline(engine)
+
+
+def test_batched_answers_equal_solo_answers(tiny):
+    assert_batched_answers_equal_solo_answers(tiny)
 
 
 @pytest.mark.slow
 def test_smollm2_batched_answers_equal_solo_answers(embedded_checkpoint):
-    engine = make_engine(embedded_checkpoint)
-    ps = prompts(embedded_checkpoint, 4)
-    alone = [tokens(solo(engine, ids)) for ids in ps]
-    outs = engine.run_until_idle([GenerationRequest(str(i), ids, GREEDY)
-                                  for i, ids in enumerate(ps)])
-    assert [tokens(outs[str(i)]) for i in range(4)] == alone
-    assert_pools_back_to_baseline(engine)
+    assert_batched_answers_equal_solo_answers(embedded_checkpoint)
 
 
 def test_chunked_prefill_equals_single_chunk_prefill(tiny):
@@ -138,10 +137,21 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny):
     assert tokens(outs["x"]) == tokens(outs["y"]) == first
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy(tiny):
+def engine_and_greedy_answer(tiny) -> tuple[Engine, list[int], list[int]]:
+    """A fresh engine, the first test prompt and its greedy answer there."""
     engine = make_engine(tiny)
     ids = prompts(tiny, 1)[0]
-    greedy = tokens(solo(engine, ids))
+    return engine, ids, tokens(solo(engine, ids))
+
+
+def stop_at(token: int) -> SamplingParams:
+    """Greedy, 24 tokens, stopping at `token`."""
+    return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                          stop_token_ids=(token,))
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(tiny):
+    engine, ids, greedy = engine_and_greedy_answer(tiny)
     for p in (SamplingParams(max_tokens=24, temperature=1.0, top_k=1, ignore_eos=True, seed=1),
               SamplingParams(max_tokens=24, temperature=1.0, top_p=1e-6, ignore_eos=True, seed=1)):
         assert tokens(solo(engine, ids, p)) == greedy
@@ -191,12 +201,9 @@ def test_stop_string_across_tokens_ends_generation_without_the_stop_text(tiny):
 
 
 def test_stop_token_id_ends_with_stop(tiny):
-    engine = make_engine(tiny)
-    ids = prompts(tiny, 1)[0]
-    greedy = tokens(solo(engine, ids))
+    engine, ids, greedy = engine_and_greedy_answer(tiny)
     target = greedy[5]
-    outs = solo(engine, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                            stop_token_ids=(target,)))
+    outs = solo(engine, ids, stop_at(target))
     assert outs[-1].finish_reason == "stop"
     assert tokens(outs) == greedy[:greedy.index(target) + 1]
 
@@ -238,12 +245,9 @@ def test_engine_thread_serves_and_stops(tiny):
 
 def test_text_held_back_for_a_possible_stop_string_is_sent_when_a_stop_token_ends(tiny):
     """A stop-string candidate at the end of the text must not be lost on EOS/stop token."""
-    engine = make_engine(tiny)
-    ids = prompts(tiny, 1)[0]
-    greedy = tokens(solo(engine, ids))
+    engine, ids, greedy = engine_and_greedy_answer(tiny)
     target = greedy[8]
-    by_token = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                              stop_token_ids=(target,))
+    by_token = stop_at(target)
     expected = text(solo(engine, ids, by_token))
     assert expected
     # a stop string that begins with the text's last character but never completes

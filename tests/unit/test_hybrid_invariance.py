@@ -30,7 +30,7 @@ from flare.package.plan import layout_for
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
 from engine_helpers import greedy, words
-from hybrid_models import build_tiny_hybrid
+from hybrid_models import tiny_hybrid_fixture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "parity"))
 from hybrid_driver import Runner  # noqa: E402
@@ -92,12 +92,8 @@ def test_rope_gives_each_row_what_it_gets_alone():
 
 # ---- fixtures -----------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["qwen3_5", "lfm2", "qwen3_next"])
-def tiny(request, tmp_path_factory, embedded_checkpoint):
-    root = tmp_path_factory.mktemp(f"hybrid-exact-{request.param}")
-    return build_tiny_hybrid(request.param, root, embedded_checkpoint.tokenizer,
-                             max_seq_len=512, max_num_seqs=8, max_batch_tokens=128,
-                             checkpoint_interval=32)
+tiny = tiny_hybrid_fixture("hybrid-exact", ("qwen3_5", "lfm2", "qwen3_next"),
+                           max_num_seqs=8, checkpoint_interval=32)
 
 
 def make_engine(tiny, prefix_cache: bool = False, **plan_changes) -> Engine:

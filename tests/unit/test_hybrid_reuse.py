@@ -11,25 +11,19 @@ interval 32). Cases from shared/cases/state.md are named in docstrings.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
 from flare.state.slots import StateSlotPool
-from engine_helpers import assert_one_step_batch_equals_cold, greedy, run, words
-from hybrid_models import PAGE, RECIPES, build_tiny_hybrid
+from engine_helpers import (assert_one_step_batch_equals_cold, assert_previous_turn_reused,
+                            assert_random_traffic_accounts, greedy, run, run_branches, words)
+from hybrid_models import PAGE, tiny_hybrid_fixture
 
 EVERY = 32  # checkpoint interval of these tests (two pages)
 
 
-@pytest.fixture(scope="module", params=RECIPES)
-def tiny(request, tmp_path_factory, embedded_checkpoint):
-    root = tmp_path_factory.mktemp(f"hybrid-reuse-{request.param}")
-    return build_tiny_hybrid(request.param, root, embedded_checkpoint.tokenizer,
-                             max_seq_len=512, max_num_seqs=8, max_batch_tokens=128,
-                             checkpoint_interval=EVERY)
+tiny = tiny_hybrid_fixture("hybrid-reuse", max_num_seqs=8, checkpoint_interval=EVERY)
 
 
 def make_engine(tiny, prefix_cache: bool = True, **plan_changes) -> Engine:
@@ -63,14 +57,9 @@ def test_whole_previous_turn_is_reused_and_equals_recompute(tiny, cold):
     """The end-of-generation checkpoint covers the whole previous turn (all but the last
     answer token, which was sampled and never computed)."""
     engine = make_engine(tiny)
-    turn1 = words(37, seed=3)
-    answer, _ = run(engine, turn1, greedy(20))
-    turn2 = turn1 + answer + words(11, seed=4)
-    got, last = run(engine, turn2)
-    assert last.num_cached_tokens == len(turn1) + len(answer) - 1
+    last = assert_previous_turn_reused(engine, cold)
     assert last.reuse == {"outcome": "Admitted", "matched_tokens": last.num_cached_tokens,
                           "reused_tokens": last.num_cached_tokens, "tier": "device"}
-    assert got == run(cold, turn2)[0]
     assert_idle_accounting(engine)
 
 
@@ -133,20 +122,9 @@ def test_branches_stay_isolated(tiny, cold):
     """Case state-branch-isolation: fork a history, continue both branches, then the
     original branch again; each equals a cold run of its own history."""
     engine = make_engine(tiny)
-    history = words(50, seed=10)
-    answer, _ = run(engine, history, greedy(10))
-    trunk = history + answer
-    a = trunk + words(7, seed=11)
-    b = trunk + words(9, seed=12)
-    got_a, last_a = run(engine, a, greedy(16))
-    got_b, last_b = run(engine, b, greedy(16))
-    assert last_a.num_cached_tokens == last_b.num_cached_tokens == len(trunk) - 1
-    assert got_a == run(cold, a, greedy(16))[0]
-    assert got_b == run(cold, b, greedy(16))[0]
-    again = a + got_a + words(3, seed=13)
-    got, last = run(engine, again)
-    assert last.num_cached_tokens == len(a) + len(got_a) - 1
-    assert got == run(cold, again)[0]
+    br = run_branches(engine, cold)
+    assert br.cached_a == br.cached_b == len(br.trunk) - 1
+    assert br.cached_again == len(br.a) + len(br.got_a) - 1
     assert_idle_accounting(engine)
 
 
@@ -293,25 +271,8 @@ def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
     """60 requests: random lengths, shared prefixes, ~30% aborted mid-way, small pools."""
     engine = make_engine(tiny, max_seq_len=256, num_pages=40, max_num_seqs=4,
                          max_batch_tokens=48, checkpoint_slots=5)
-    rng = random.Random(17)
-    trunks = [words(rng.randrange(10, 100), seed=500 + i) for i in range(4)]
-    live: list[str] = []
-    for i in range(60):
-        ids = rng.choice(trunks)[:rng.randrange(1, 100)] + words(rng.randrange(1, 20), 600 + i)
-        engine.add_request(GenerationRequest(f"q{i}", ids, greedy(rng.randrange(1, 12))))
-        live.append(f"q{i}")
-        for _ in range(rng.randrange(0, 3)):
-            engine.step()
-        if rng.random() < 0.3:
-            engine.abort(rng.choice(live))
-        engine.check_integrity()
-    while engine.scheduler.has_work() or engine._inbox or engine._aborts:
-        engine.step()
-        engine.check_integrity()
-    stats = engine.stats()
-    assert stats["reuse_outcome_admitted_total"] > 0
-    assert (stats["reuse_lookups_total"]
-            == stats["reuse_outcome_no_match_total"] + stats["reuse_hits_total"])
+    assert_random_traffic_accounts(engine, n=60, trunks=4, length=100, suffix=20,
+                                   max_tokens=12, seed=500, check_every_step=True)
     assert_idle_accounting(engine)
 
 

@@ -7,15 +7,14 @@ shared/cases/state.md are named in the test names or docstrings.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
-from engine_helpers import assert_one_step_batch_equals_cold, greedy, run, words
+from engine_helpers import (assert_one_step_batch_equals_cold, assert_previous_turn_reused,
+                            assert_random_traffic_accounts, greedy, run, run_branches, words)
 
 PAGE = 16
 
@@ -61,14 +60,9 @@ def test_reuse_equals_recompute_around_a_page_boundary(tiny, cold, p):
 
 
 def test_whole_previous_turn_is_reused_and_equals_recompute(tiny, cold):
-    engine = make_engine(tiny)
-    turn1 = words(37, seed=3)
-    answer, _ = run(engine, turn1, greedy(20))
-    turn2 = turn1 + answer + words(11, seed=4)
-    got, last = run(engine, turn2)
     # the last answer token was sampled but never computed: everything before it is reused
-    assert last.num_cached_tokens == len(turn1) + len(answer) - 1
-    assert got == run(cold, turn2)[0]
+    engine = make_engine(tiny)
+    assert_previous_turn_reused(engine, cold)
     assert_idle_accounting(engine)
 
 
@@ -108,18 +102,8 @@ def test_short_first_turn_is_reused(tiny):
 def test_branches_stay_isolated(tiny, cold):
     """Case state-branch-isolation: fork, continue both, then the original again."""
     engine = make_engine(tiny)
-    history = words(50, seed=10)
-    answer, _ = run(engine, history, greedy(10))
-    trunk = history + answer
-    a = trunk + words(7, seed=11)
-    b = trunk + words(9, seed=12)
-    got_a, last_a = run(engine, a, greedy(16))
-    got_b, last_b = run(engine, b, greedy(16))
-    assert last_a.num_cached_tokens > len(history) and last_b.num_cached_tokens > len(history)
-    assert got_a == run(cold, a, greedy(16))[0]
-    assert got_b == run(cold, b, greedy(16))[0]
-    again, _ = run(engine, a + got_a + words(3, seed=13))
-    assert again == run(cold, a + got_a + words(3, seed=13))[0]
+    br = run_branches(engine, cold)
+    assert br.cached_a > len(br.history) and br.cached_b > len(br.history)
     assert_idle_accounting(engine)
 
 
@@ -187,25 +171,9 @@ def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
     """200 requests: random lengths, shared prefixes, 30% aborted mid-way."""
     engine = make_engine(tiny, max_seq_len=256, num_pages=48, max_num_seqs=6,
                          max_batch_tokens=64)
-    rng = random.Random(17)
-    trunks = [words(rng.randrange(10, 120), seed=400 + i) for i in range(5)]
-    live: list[str] = []
-    for i in range(200):
-        ids = rng.choice(trunks)[:rng.randrange(1, 120)] + words(rng.randrange(1, 30), 500 + i)
-        engine.add_request(GenerationRequest(f"q{i}", ids[:200], greedy(rng.randrange(1, 20))))
-        live.append(f"q{i}")
-        for _ in range(rng.randrange(0, 3)):
-            engine.step()
-        if rng.random() < 0.3:
-            engine.abort(rng.choice(live))
-        engine.check_integrity()
-    while engine.scheduler.has_work() or engine._inbox or engine._aborts:
-        engine.step()
-    stats = engine.stats()
+    stats = assert_random_traffic_accounts(engine, n=200, trunks=5, length=120, suffix=30,
+                                           max_tokens=20, seed=400, max_prompt=200)
     assert stats["reuse_lookups_total"] >= 150
-    assert stats["reuse_outcome_admitted_total"] > 0
-    assert (stats["reuse_lookups_total"]
-            == stats["reuse_outcome_no_match_total"] + stats["reuse_hits_total"])
     assert_idle_accounting(engine)
 
 

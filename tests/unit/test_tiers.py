@@ -19,7 +19,7 @@ from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 from flare.state.admission import CostPolicy
-from hybrid_models import RECIPES, build_tiny_hybrid
+from hybrid_models import tiny_hybrid_fixture
 
 PAGE = 16
 KIB = 1024
@@ -258,12 +258,7 @@ def test_full_transfer_queue_is_enqueue_rejected_and_answers_correctly(tiny, col
 EVERY = 32
 
 
-@pytest.fixture(scope="module", params=RECIPES)
-def hybrid(request, tmp_path_factory, embedded_checkpoint):
-    root = tmp_path_factory.mktemp(f"tiers-{request.param}")
-    return build_tiny_hybrid(request.param, root, embedded_checkpoint.tokenizer,
-                             max_seq_len=512, max_num_seqs=4, max_batch_tokens=128,
-                             checkpoint_interval=EVERY)
+hybrid = tiny_hybrid_fixture("tiers", max_num_seqs=4, checkpoint_interval=EVERY)
 
 
 def hybrid_engine(tiny, **kw) -> Engine:

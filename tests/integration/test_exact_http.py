@@ -8,7 +8,8 @@ The prompts follow the cases of shared/cases/: state-exact-boundary (prompts who
 prefix ends at a page boundary, one token before and one after it),
 state-template-drift (a second turn resends the first answer with its whitespace
 trimmed), state-short-first-turn (a short first turn, then its continuation), the issue's
-own "A race condition happens when" (which changed cold against warm before), and
+own "A race condition happens when" (case state-fast-path-cold-warm: it changed cold
+against warm before), and
 completions / chats of several lengths.
 """
 

@@ -1,5 +1,5 @@
 """A saved hybrid session survives a restart even when the client resends its reply with
-different tokens (issue 18). Real `flare serve` processes on 127.0.0.1 serving the tiny
+different tokens (issue 18, case state-hybrid-restart-retokenized). Real `flare serve` processes on 127.0.0.1 serving the tiny
 Qwen3.5 and LFM2 packages, greedy:
 
 1. turn 1 (a system message and a user turn of about 300 tokens, 16 answer tokens) in

@@ -308,9 +308,10 @@ def _assert_equal_to_cold(got, want, label: str) -> None:
 
 @pytest.mark.parametrize("length", [17, 40, 100])
 def test_same_prompt_twice_below_the_grid_reuses_len_minus_one_bit_exact(tiny, cold, length):
-    """Case state-same-prompt-twice below the checkpoint grid (interval 256 here, as
-    packages default to): the prompt-end checkpoint at P cannot serve a full match (one
-    token must be computed for logits), the one at P - 1 does. The repeat, and n = 3
+    """Cases state-same-prompt-twice and state-hybrid-same-prompt-twice, below the
+    checkpoint grid (interval 256 here, as packages default to): the prompt-end checkpoint
+    at P cannot serve a full match (one token must be computed for logits), the one at
+    P - 1 does. The repeat, and n = 3
     choices of it (sampled, seeds 3, 4, 5), reuse len - 1 and sample from logits
     bit-identical to a cold engine's; pools and slots return to baseline."""
     from flare.runtime.request import SamplingParams
@@ -367,8 +368,9 @@ def test_turn_boundary_checkpoints_let_short_branches_reuse(tiny, cold):
 
 
 def test_counters_count_each_prompt_once_under_page_pressure(tiny, cold):
-    """Issue 18, hybrids: 5 concurrent prompts on a 24-page pool; re-lookups after waits
-    and preemptions are retries, not more queries or hits."""
+    """Case state-counters-under-pressure (issue 18), hybrids: 5 concurrent prompts on a
+    24-page pool; re-lookups after waits and preemptions are retries, not more queries
+    or hits."""
     from engine_helpers import assert_counters_once_per_request
 
     engine = make_engine(tiny, max_seq_len=256, num_pages=24, max_num_seqs=5,

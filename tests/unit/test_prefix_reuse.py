@@ -178,8 +178,8 @@ def test_randomized_traffic_returns_every_pool_to_baseline(tiny):
 
 
 def test_counters_count_each_prompt_once_under_page_pressure(tiny, cold):
-    """Issue 18: 5 concurrent prompts on a 24-page pool; re-lookups after waits and
-    preemptions are retries, not more queries or hits."""
+    """Case state-counters-under-pressure (issue 18): 5 concurrent prompts on a 24-page
+    pool; re-lookups after waits and preemptions are retries, not more queries or hits."""
     from engine_helpers import assert_counters_once_per_request
 
     engine = make_engine(tiny, max_seq_len=256, num_pages=24, max_num_seqs=5,

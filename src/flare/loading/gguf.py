@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from flare.loading.source import Checkpoint, check_tensor_names, source_identity
 from flare.loading.gguf_hybrid import (HYBRID_ARCHITECTURES, hybrid_blocks, hybrid_hf_config,
                                        hybrid_tensors)
+from flare.loading.gguf_names import GLOBAL_NAMES, TRANSFORMER_BLOCK_NAMES
 from flare.loading.tokenizer import load_tokenizer
 from flare.models.config import ModelConfig
 from flare.models.quant.gguf_blocks import GGUFBlocks, GGUF_BLOCK_BYTES, GGUF_BLOCK_VALUES
@@ -30,24 +31,7 @@ from flare.progress import progress_bar
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+_BLOCK_NAMES = {**TRANSFORMER_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -60,8 +44,8 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         if kind in _BLOCK_NAMES:
             return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
         return None
-    if (m := _GLOBAL.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    if (m := _GLOBAL.match(gguf_name)) and m.group(1) in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return None
 
 

@@ -42,6 +42,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from flare.loading.gguf_names import GLOBAL_NAMES, TRANSFORMER_BLOCK_NAMES
 from flare.models.config import ModelConfig
 from flare.models.quant.gguf_blocks import GGUFBlocks
 from flare.progress import progress_bar
@@ -72,20 +73,10 @@ _NAMES: dict[str, dict[str, dict[str, str]]] = {
         },
     },
     "qwen35": {
-        "global": {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"},
+        "global": GLOBAL_NAMES,
         "block": {
-            "attn_norm": "input_layernorm",
+            **TRANSFORMER_BLOCK_NAMES,
             "post_attention_norm": "post_attention_layernorm",
-            "ffn_gate": "mlp.gate_proj",
-            "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj",
-            "attn_q": "self_attn.q_proj",
-            "attn_k": "self_attn.k_proj",
-            "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj",
-            "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm",
             "attn_qkv": "linear_attn.in_proj_qkv",
             "attn_gate": "linear_attn.in_proj_z",
             "ssm_beta": "linear_attn.in_proj_b",

@@ -32,6 +32,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from anthropic_replies import anthropic_message, text_and_tool_uses
 from server_process import ServerProcess
 
 from flare.server.grammar import parameters_schema
@@ -275,13 +276,9 @@ def _anthropic_turn(client, model: str, messages: list, mode: str, tool: str | N
     kw = dict(model=model, system=SYSTEM.format("messages"), messages=messages, tools=_anthropic_tools(),
               tool_choice=_anthropic_choice(mode, tool),
               max_tokens=ANSWER_TOKENS if mode == "auto" else CALL_TOKENS, extra_body=GREEDY)
-    if stream:
-        with client.messages.stream(**kw) as s:
-            r = s.get_final_message()
-    else:
-        r = client.messages.create(**kw)
-    text = "".join(b.text for b in r.content if b.type == "text")
-    calls = [(b.id, b.name, b.input) for b in r.content if b.type == "tool_use"]
+    r = anthropic_message(client, stream, **kw)
+    text, uses = text_and_tool_uses(r)
+    calls = [(b.id, b.name, b.input) for b in uses]
     u = r.usage
     return Turn(r.stop_reason, text, calls, u.input_tokens + u.cache_read_input_tokens,
                 u.cache_read_input_tokens, u.output_tokens,

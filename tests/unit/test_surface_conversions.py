@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from anthropic_replies import anthropic_message, text_and_tool_uses
 from scripted_engine import ScriptedEngine, answer
 
 anthropic = pytest.importorskip("anthropic")
@@ -104,13 +105,9 @@ def _messages(ant, mode, stream):
               "auto": {"type": "auto"}}[mode]
     kw = dict(model="fake", system=SYSTEM, messages=[{"role": "user", "content": ASK}],
               tools=tools, tool_choice=choice, max_tokens=48, extra_body={"temperature": 0})
-    if stream:
-        with ant.messages.stream(**kw) as s:
-            r = s.get_final_message()
-    else:
-        r = ant.messages.create(**kw)
-    text = "".join(b.text for b in r.content if b.type == "text")
-    return text, [(b.name, b.input) for b in r.content if b.type == "tool_use"], r.stop_reason
+    r = anthropic_message(ant, stream, **kw)
+    text, uses = text_and_tool_uses(r)
+    return text, [(b.name, b.input) for b in uses], r.stop_reason
 
 
 def _responses(oai, mode, stream):

@@ -83,12 +83,16 @@ def test_named_tool_forbids_other_tools_and_plain_text(compiler, tokenizer):
     assert _walk(c, tokenizer, "Hello there") == 0
 
 
-def test_required_allows_any_tool_and_several_calls(compiler, tokenizer):
-    fmt = FORMATS["hermes"]
+@pytest.mark.parametrize("format_name, calls", [
+    ("hermes", [("list_files", "{}"),
+                ("get_weather", '{"city": "Oslo", "unit": "fahrenheit"}')]),
+    ("llama3_json", [("get_weather", '{"city": "Rome", "unit": "celsius"}'),
+                     ("list_files", "{}")]),
+])
+def test_required_allows_any_tool_and_several_calls(compiler, tokenizer, format_name, calls):
+    fmt = FORMATS[format_name]
     c = compiler.compile(*tool_call_grammar(fmt, TOOLS))
-    text = fmt.render_calls([("list_files", "{}"),
-                             ("get_weather", '{"city": "Oslo", "unit": "fahrenheit"}')])
-    assert _walk(c, tokenizer, text) is None
+    assert _walk(c, tokenizer, fmt.render_calls(calls)) is None
     assert not c.is_done() and c.allowed(VOCAB)[EOS]  # may stop, or call again
 
 
@@ -110,14 +114,6 @@ def test_tool_without_parameters_gets_empty_object(compiler, tokenizer):
     fmt = FORMATS["hermes"]
     c = compiler.compile(*tool_call_grammar(fmt, TOOLS, only="list_files"))
     assert _walk(c, tokenizer, fmt.call_text("list_files", '{"x": 1}')) is not None
-
-
-def test_llama3_json_format_grammar(compiler, tokenizer):
-    fmt = FORMATS["llama3_json"]
-    c = compiler.compile(*tool_call_grammar(fmt, TOOLS))
-    text = fmt.render_calls([("get_weather", '{"city": "Rome", "unit": "celsius"}'),
-                             ("list_files", "{}")])
-    assert _walk(c, tokenizer, text) is None
 
 
 def test_auto_with_response_format_allows_answer_or_call(compiler, tokenizer):

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from flare.models import qwen3_5
-from flare.models.qwen3_5 import (Qwen3_5Config, Qwen3_5Model, gated_delta_rule,
-                                  gated_delta_step, state_layout, text_model_tensors)
+from flare.models.gated_delta import gated_delta_rule, gated_delta_step
+from flare.models.qwen3_5 import Qwen3_5Config, Qwen3_5Model, state_layout, text_model_tensors
 from hybrid_driver import HybridParityChecks, Runner, tiny_fixture
 
 

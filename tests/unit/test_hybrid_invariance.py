@@ -25,7 +25,7 @@ import torch
 from flare.models import hybrid_common as hc
 from flare.models import hybrid_decoder
 from flare.models.quant.linear import Linear
-from flare.models.qwen3_5 import _l2norm
+from flare.models.gated_delta import l2norm
 from flare.package.plan import layout_for
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest
@@ -45,7 +45,7 @@ ROW_OPS = {
     "rms_norm": lambda x: hc.rms_norm(x, torch.linspace(0.5, 1.5, x.shape[-1]), 1e-6),
     "rms_norm_offset": lambda x: hc.rms_norm_offset(x, torch.linspace(-.5, .5, x.shape[-1]),
                                                     1e-6),
-    "l2norm": _l2norm,
+    "l2norm": l2norm,
     "sigmoid": hc.sigmoid,
     "silu": hc.silu,
     "softplus": hc.softplus,

@@ -1,5 +1,5 @@
 """The hybrids' sequence mixers in isolation, bit for bit: the gated delta rule
-(`flare.models.qwen3_5.gated_delta_rule`: recurrent.cpp's kernel and its torch fallback)
+(`flare.models.gated_delta.gated_delta_rule`: recurrent.cpp's kernel and its torch fallback)
 and the causal depthwise conv (`flare.models.hybrid_common.causal_conv`).
 
 For each: a sequence's outputs and final state are `torch.equal` whether its tokens run
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
+from flare.models.gated_delta import gated_delta_rule, gated_delta_step
 from flare.models.hybrid_common import causal_conv
-from flare.models.qwen3_5 import gated_delta_rule, gated_delta_step
 
 CHUNKS = (1, 7, 16, 64, None)  # None: the whole sequence in one call
 

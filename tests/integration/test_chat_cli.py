@@ -60,11 +60,34 @@ def command(child: pexpect.spawn, line: str, prompt: str) -> str:
     return expect_prompt(child, prompt)
 
 
+def open_chat(args: list[str], history: Path, session: str) -> tuple[pexpect.spawn, str]:
+    """`flare chat ARGS --session SESSION` waited for until its first prompt; returns the
+    child and what it printed before the prompt (the server and the session it opened)."""
+    chat = spawn([*args, "--session", session], history)
+    return chat, expect_prompt(chat, session)
+
+
+def exit_chat(chat: pexpect.spawn) -> str:
+    """/exit and wait for the program to end; returns what it printed on the way out
+    (`chat.exitstatus` is set)."""
+    chat.sendline("/exit")
+    chat.expect(pexpect.EOF)
+    out = screen(chat)
+    chat.close()
+    return out
+
+
 @pytest.fixture(scope="module")
 def state(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("chat")
     (root / "hist").mkdir()
     return {"root": root, "state": root / "state", "hist": root / "hist"}
+
+
+def serve(package: Path, state: dict, log: str) -> ServerProcess:
+    """`flare serve PACKAGE` on the module's state folder, so a later server of the same
+    folder finds what this one wrote to the disk tier."""
+    return ServerProcess(package, state["root"] / log, ("--state-dir", str(state["state"])))
 
 
 def wait_running(url: str, timeout_s: float = 120) -> None:
@@ -84,13 +107,11 @@ def greedy_answer(url: str, messages: list[dict], max_tokens: int) -> str:
 
 
 def test_two_turns_stats_fork_switch_interrupt_exit(smollm2_package, state):
-    server = ServerProcess(smollm2_package, state["root"] / "a.log",
-                           ("--state-dir", str(state["state"])))
+    server = serve(smollm2_package, state, "a.log")
     try:
-        chat = spawn(["--url", server.url, "--session", "s1", "--max-tokens", "24"],
-                     state["hist"])
-        expect_prompt(chat, "s1")
-        assert "session s1: new conversation" in screen(chat)
+        chat, greeting = open_chat(["--url", server.url, "--max-tokens", "24"], state["hist"],
+                                   "s1")
+        assert "session s1: new conversation" in greeting
         command(chat, "Name three colours.", "s1")
         first = command(chat, "/stats", "s1")
         assert re.search(r"prompt\s+\d+ tokens, 0 cached", first), first
@@ -112,16 +133,12 @@ def test_two_turns_stats_fork_switch_interrupt_exit(smollm2_package, state):
         listing = command(chat, "/sessions", "s2")
         assert "s1" in listing and "s2" in listing
         command(chat, "/switch s1", "s1")
-        chat.sendline("/exit")
-        chat.expect(pexpect.EOF)
-        assert "saved s1" in screen(chat)
-        chat.close()
+        assert "saved s1" in exit_chat(chat)
         assert chat.exitstatus == 0
 
         # Ctrl+C mid-answer stops the answer, not the program
-        long = spawn(["--url", server.url, "--session", "long", "--ignore-eos",
-                      "--max-tokens", "3000", "--plain"], state["hist"])
-        expect_prompt(long, "long")
+        long, _ = open_chat(["--url", server.url, "--ignore-eos", "--max-tokens", "3000",
+                             "--plain"], state["hist"], "long")
         long.sendline("Count from one to one thousand.")
         wait_running(server.url)  # the answer streams (a Ctrl+C typed while the prompt
         long.expect(r"\w+ \w+ \w+")  # still reads its line would be a key, not SIGINT)
@@ -147,20 +164,16 @@ def test_a_new_chat_after_a_server_restart_resumes_from_the_disk_tier(smollm2_pa
                                                                       state):
     if not (state["hist"] / MODEL / "s1.json").is_file():
         pytest.skip("needs the conversation of the test before")
-    server = ServerProcess(smollm2_package, state["root"] / "b.log",
-                           ("--state-dir", str(state["state"])))
+    server = serve(smollm2_package, state, "b.log")
     try:
-        chat = spawn(["--url", server.url, "--session", "s1", "--max-tokens", "16"],
-                     state["hist"])
-        expect_prompt(chat, "s1")
-        assert "session s1: 4 messages" in screen(chat)
+        chat, greeting = open_chat(["--url", server.url, "--max-tokens", "16"], state["hist"],
+                                   "s1")
+        assert "session s1: 4 messages" in greeting
         command(chat, "And three fruits?", "s1")
         stats = command(chat, "/stats", "s1")
         cached = re.search(r"(\d+) cached \(from the (\w+)", stats)
         assert cached and int(cached.group(1)) > 0 and cached.group(2) == "disk", stats
-        chat.sendline("/exit")
-        chat.expect(pexpect.EOF)
-        chat.close()
+        exit_chat(chat)
     finally:
         server.stop()
 
@@ -168,15 +181,11 @@ def test_a_new_chat_after_a_server_restart_resumes_from_the_disk_tier(smollm2_pa
 def test_chat_pkg_starts_and_stops_its_own_server(smollm2_package, state, tmp_path):
     hist = tmp_path / "hist"
     hist.mkdir()
-    chat = spawn([str(smollm2_package), "--state-dir", str(tmp_path / "state"),
-                  "--session", "own", "--max-tokens", "8"], hist)
-    expect_prompt(chat, "own")
-    head = screen(chat)
+    chat, head = open_chat([str(smollm2_package), "--state-dir", str(tmp_path / "state"),
+                            "--max-tokens", "8"], hist, "own")
     url = re.search(r"at (http://127\.0\.0\.1:\d+)", head).group(1)
     command(chat, "Say hello.", "own")
-    chat.sendline("/exit")
-    chat.expect(pexpect.EOF)
-    chat.close()
+    exit_chat(chat)
     assert chat.exitstatus == 0
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)

@@ -51,13 +51,12 @@ def _metric(client: httpx.Client, name: str) -> float:
 # --------------------------------------------------------------------------- the burst
 
 
-def test_max_queue_bounds_a_simultaneous_burst(server, client):
-    """Case api-queue-burst: `--max-queue 2`, 24 clients at once, 5 rounds. A sampler
-    thread reads the engine's num_waiting all along, and the engine's own high-water mark
-    (taken under its inbox lock at every enqueue) confirms it: never above 2. The others
-    get 429 queue_full at once."""
+def _burst(server, client, body: dict, clients: int, rounds: int) -> tuple[list[int], list[int]]:
+    """`rounds` bursts of `clients` simultaneous chat POSTs of `body` (each client connected
+    before the burst, so they arrive together), a sampler thread reading the engine's
+    num_waiting all along. Returns (every status, every num_waiting seen); a 429 must be
+    queue_full with Retry-After."""
     engine = server.engine.engine
-    wait_idle(client)
     seen: list[int] = []
     stop = threading.Event()
 
@@ -66,15 +65,13 @@ def test_max_queue_bounds_a_simultaneous_burst(server, client):
             seen.append(engine.num_waiting)
             time.sleep(0.0005)
 
-    body = {"model": MODEL, "messages": user("Count to one hundred."), "max_tokens": 40,
-            "ignore_eos": True, "temperature": 0}
-    barrier = threading.Barrier(BURST)
-    clients = [httpx.Client(base_url=server.url, timeout=300) for _ in range(BURST)]
+    barrier = threading.Barrier(clients)
+    conns = [httpx.Client(base_url=server.url, timeout=300) for _ in range(clients)]
 
     def one(i: int) -> int:
-        clients[i].get("/health")  # connected before the burst: they arrive together
+        conns[i].get("/health")
         barrier.wait(30)
-        r = clients[i].post("/v1/chat/completions", json=body)
+        r = conns[i].post("/v1/chat/completions", json=body)
         if r.status_code == 429:
             assert r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
         return r.status_code
@@ -83,26 +80,37 @@ def test_max_queue_bounds_a_simultaneous_burst(server, client):
     sampler.start()
     statuses: list[int] = []
     try:
-        with ThreadPoolExecutor(BURST) as pool:
-            for _ in range(ROUNDS):
-                statuses += pool.map(one, range(BURST))
+        with ThreadPoolExecutor(clients) as pool:
+            for _ in range(rounds):
+                statuses += pool.map(one, range(clients))
                 wait_idle(client, timeout=120)
     finally:
         stop.set()
         sampler.join(5)
-        for c in clients:
+        for c in conns:
             c.close()
+    return statuses, seen
+
+
+def test_max_queue_bounds_a_simultaneous_burst(server, client):
+    """Case api-queue-burst: `--max-queue 2`, 24 clients at once, 5 rounds. A sampler
+    thread reads the engine's num_waiting all along, and the engine's own high-water mark
+    (taken under its inbox lock at every enqueue) confirms it: never above 2. The others
+    get 429 queue_full at once."""
+    wait_idle(client)
+    body = {"model": MODEL, "messages": user("Count to one hundred."), "max_tokens": 40,
+            "ignore_eos": True, "temperature": 0}
+    statuses, seen = _burst(server, client, body, BURST, ROUNDS)
     assert set(statuses) <= {200, 429}, statuses
     assert statuses.count(429) >= ROUNDS * BURST // 2  # 4 running + 2 waiting at most
     assert len(seen) > 100 and max(seen) <= MAX_QUEUE, max(seen)
-    assert engine.stats()["num_waiting_peak"] <= MAX_QUEUE
+    assert server.engine.engine.stats()["num_waiting_peak"] <= MAX_QUEUE
 
 
 def test_a_request_of_n_choices_holds_n_places_in_the_queue(server, client):
     """`n` choices are `n` waiting sequences: a burst of n=2 requests keeps num_waiting
     within --max-queue 2 (each admitted request widens its ticket to 2 before queueing, or
     gets 429 queue_full naming `n`), and n=3 alone could never be queued: 400 on `n`."""
-    engine = server.engine.engine
     wait_idle(client)
     body = {"model": MODEL, "messages": user("Count to one hundred."), "max_tokens": 24,
             "ignore_eos": True, "temperature": 0, "n": 2}
@@ -110,41 +118,10 @@ def test_a_request_of_n_choices_holds_n_places_in_the_queue(server, client):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     err = error_of(client.post("/v1/chat/completions", json={**body, "n": 3}), 400)
     assert err["param"] == "n" and "--max-queue" in err["message"]
-    seen: list[int] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            seen.append(engine.num_waiting)
-            time.sleep(0.0005)
-
-    clients = [httpx.Client(base_url=server.url, timeout=300) for _ in range(12)]
-    barrier = threading.Barrier(len(clients))
-
-    def one(i: int) -> int:
-        clients[i].get("/health")
-        barrier.wait(30)
-        r = clients[i].post("/v1/chat/completions", json=body)
-        if r.status_code == 429:
-            assert r.json()["error"]["code"] == "queue_full", r.text
-        return r.status_code
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    statuses: list[int] = []
-    try:
-        with ThreadPoolExecutor(len(clients)) as pool:
-            for _ in range(3):
-                statuses += pool.map(one, range(len(clients)))
-                wait_idle(client, timeout=120)
-    finally:
-        stop.set()
-        sampler.join(5)
-        for c in clients:
-            c.close()
+    statuses, seen = _burst(server, client, body, 12, 3)
     assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
     assert len(seen) > 100 and max(seen) <= MAX_QUEUE, max(seen)
-    assert engine.stats()["num_waiting_peak"] <= MAX_QUEUE
+    assert server.engine.engine.stats()["num_waiting_peak"] <= MAX_QUEUE
 
 
 # --------------------------------------------------------------------------- schemas

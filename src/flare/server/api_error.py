@@ -19,6 +19,8 @@ class ApiError(Exception):
         type: OpenAI error type ("invalid_request_error", "server_error", ...).
         param: the request parameter at fault, e.g. "messages[2].content", or None.
         code: machine-readable code, e.g. "context_length_exceeded", or None.
+        retry_after_s: seconds for a `Retry-After` header (a 429 the client may retry),
+            or None.
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -36,6 +39,13 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str] | None:
+        """The response headers the error asks for (`Retry-After`), or None."""
+        if self.retry_after_s is None:
+            return None
+        return {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict[str, Any]:
         """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""

@@ -117,4 +117,4 @@ def reserve_choices(n: int) -> None:
         return
     raise ApiError(429, f"n={n} would pass the queue bound of {a.max_queue} waiting "
                    "sequences; retry shortly or ask for fewer choices",
-                   type="rate_limit_error", param="n", code="queue_full")
+                   type="rate_limit_error", param="n", code="queue_full", retry_after_s=1)

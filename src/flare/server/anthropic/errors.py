@@ -79,4 +79,4 @@ def error_response(status: int, message: str,
 
 def api_error_response(exc: ApiError) -> JSONResponse:
     """An `ApiError` (OpenAI fields) answered in Anthropic's shape."""
-    return error_response(messages_status(exc), api_error_message(exc))
+    return error_response(messages_status(exc), api_error_message(exc), exc.headers())

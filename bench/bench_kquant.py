@@ -12,8 +12,10 @@ on a shared machine: compare the columns of one run, and say the machine's load.
 
 The embedded model's hidden size (576) is not a multiple of 256, so llama.cpp's
 quantizer stores the tensors with 576-wide rows (q/k/v, gate/up, the embedding) in its
-fallback types (Q5_0 for Q4_K, Q8_0 for Q6_K); only down_proj (1,536 wide) and, for
-Q4_K_M, some v/o projections keep K-quant blocks.
+fallback types (Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K); only down_proj (1,536
+wide) keeps K-quant blocks (Q4_K_M: 16 Q4_K, 14 Q6_K; Q5_K_M: 16 Q5_K, 14 Q6_K). With
+`--repeat 0` only the formats and the memory lines are printed (measured: Q5_K_M 106.9
+MiB file, 108.4 MiB held in kx8; Q4_K_M 100.6 MiB, 106.7 MiB held).
 
     .venv/bin/python bench/bench_kquant.py [--threads 2] [--repeat 3] [--quick]
         [--types Q4_K_M,Q6_K] [--out-dir DIR] [--skip-llama-cpp]

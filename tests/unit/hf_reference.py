@@ -42,10 +42,15 @@ def round_linear_inputs_to_int8(model: torch.nn.Module, skip: Collection[str] = 
 
 
 def greedy_logit_diffs(engine: Engine, model: torch.nn.Module, prompts: list[list[int]],
-                       new_tokens: int, label: str) -> list[float]:
+                       new_tokens: int, label: str, near_tie: float = 0.0) -> list[float]:
     """Greedy continuations of `new_tokens` tokens by `engine` (all prompts at once) and
     by `model` (one by one), asserted equal; returns, per prompt, the max abs difference
-    of the last prompt position's logits (each printed after `label`)."""
+    of the last prompt position's logits (each printed after `label`).
+
+    With `near_tie` > 0 a continuation may part from `model`'s where an int8 rounding
+    step has moved that prompt's logits (their difference beyond summation order, 1e-5)
+    and only at a near-tie: `model`'s logits for its own token and the engine's there
+    within `near_tie`; the tokens before it are equal."""
     outs = engine.run_until_idle([GenerationRequest(str(i), ids, greedy(new_tokens))
                                   for i, ids in enumerate(prompts)])
     diffs = []
@@ -54,10 +59,19 @@ def greedy_logit_diffs(engine: Engine, model: torch.nn.Module, prompts: list[lis
         ref = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                              pad_token_id=0)[0, len(ids):].tolist()
-        assert ours == ref
         with torch.no_grad():
             ref_logits = model(torch.tensor([ids])).logits[0, -1].float()
         diff = float((last_position_logits(engine, ids) - ref_logits).abs().max())
         print(f"{label}: prompt of {len(ids)} tokens, logits max abs diff {diff:.3e}")
         diffs.append(diff)
+        if ours != ref and near_tie > 0:
+            j = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+            with torch.no_grad():
+                at = model(torch.tensor([ids + ref[:j]])).logits[0, -1].float()
+            gap = float(at[ref[j]] - at[ours[j]])
+            print(f"{label}: prompt of {len(ids)} tokens parts at step {j}, where the "
+                  f"reference's margin is {gap:.2e}")
+            assert diff > 1e-5 and 0 <= gap < near_tie, (j, gap, diff, ours, ref)
+        else:
+            assert ours == ref
     return diffs

@@ -78,8 +78,8 @@ def test_weight_format_applies_only_where_fbgemm_serves_it():
 def test_default_format_of_a_q4_1_gguf_is_its_own_blocks_q4x8():
     """The exact default is the native format: `q4x8` for a GGUF of Q4_1 layers (and a
     Q8_0 embedding, as the embedded model) or Q4_0 layers (read from their blocks, never
-    re-quantized: tests/unit/test_gguf_blocks.py), `q8x8` for Q8_0 layers, `fp16` for
-    any other source."""
+    re-quantized: tests/unit/test_gguf_blocks.py), `q8x8` for Q8_0 layers, `kx8` for
+    K-quant and 5-bit mixes (Q5_K_M among them), `fp16` for any other source."""
     gguf = {"format": "gguf", "weight_types": {"layers": ["Q4_1"], "other": ["Q8_0"]}}
     kw = dict(dtype="float32", device="cpu", recipe="llama")
     assert native_q4x8(gguf) and default_weight_format(**kw, source=gguf) == "q4x8"
@@ -90,11 +90,13 @@ def test_default_format_of_a_q4_1_gguf_is_its_own_blocks_q4x8():
     q8_0 = {"format": "gguf", "weight_types": {"layers": ["Q8_0"], "other": ["Q8_0"]}}
     assert native_q8x8(q8_0) and default_weight_format(**kw, source=q8_0) == "q8x8"
     for types in ({"layers": ["Q4_1", "Q8_0"], "other": ["Q8_0"]},  # stacked: kx8
-                  {"layers": ["Q4_1", "Q6_K"], "other": ["Q8_0"]}):
+                  {"layers": ["Q4_1", "Q6_K"], "other": ["Q8_0"]},
+                  {"layers": ["Q5_K", "Q6_K"], "other": ["Q5_K"]},  # Q5_K_M
+                  {"layers": ["Q5_1", "Q5_K", "Q6_K"], "other": ["Q6_K"]}):
         source = {"format": "gguf", "weight_types": types}
         assert not native_q4x8(source) and not native_q8x8(source)
         assert default_weight_format(**kw, source=source) == "kx8"
-    for types in ({"layers": ["Q5_K", "Q6_K"], "other": ["Q8_0"]},
+    for types in ({"layers": ["Q3_K", "Q6_K"], "other": ["Q8_0"]},
                   {"layers": ["F16"], "other": ["F16"]}, {}):
         source = {"format": "gguf", "weight_types": types}
         assert not native_q4x8(source) and not native_q8x8(source)

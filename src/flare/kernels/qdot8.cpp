@@ -34,6 +34,9 @@
 //       -(dmin * m) computed from the 6-bit sub-block sc, m (uint8 [nb, 8] per group) and
 //       the super-block's float16 d, dmin ([nb / 8, 8]); the products are exact in
 //       float32, so the arithmetic is q4's with float32 scales and mins;
+//   Q5_0, Q5_1, Q5_K (q5x8_linear, q5kx8_linear): q4's low nibbles plus a 32-byte plane
+//       of fifth bits per group block, Q4_1's float16 scale and min (Q5_0's min is -16d)
+//       or Q4_K's scales;
 //   Q6_K (q6kx8_linear): codes q - 32 in q8's layout, int8 scales per 16 values, one
 //       float16 d per super-block; the two half-block sums are scaled by their integer
 //       scales in int32 (exact), then by d * dx.
@@ -202,6 +205,58 @@ inline void q4_group(const uint8_t* pc, const Scales& scales, const int8_t* xq,
       for (int s = 1; s < 8; ++s)
         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], broadcast_dword(xb + 4 * s)));
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
+      acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
+    }
+  }
+}
+
+// R rows of quantized x against one 5-bit group (Q5_0, Q5_1, Q5_K): q4's low nibbles
+// (128 bytes a block) plus a 32-byte plane of high bits, byte 4i + b of which holds in
+// bit s the high bit of row i's element 4s + b, so w[s] takes its fifth bits from one
+// shift and mask of the plane. `scales(kb, d8, m8)` as for q4_group; codes 0..31.
+template <int R, typename Scales>
+inline void q5_group(const uint8_t* pc, const uint8_t* ph, const Scales& scales,
+                     const int8_t* xq, const float* xd, const float* xs, int64_t K,
+                     __m256* acc) {
+  const int64_t nb = K / QK;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    const uint8_t* cb = pc + kb * 128;
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + kb * 32));
+    __m256i w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the 8 rows
+    for (int ch = 0; ch < 4; ++ch) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
+      w[ch] = _mm256_and_si256(raw, low);
+      w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    // bit s of each plane byte to bit 4 (16-bit shifts: the mask drops what crosses bytes)
+    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
+    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
+    w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit4));
+    w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit4));
+    w[4] = _mm256_or_si256(w[4], _mm256_and_si256(hb, bit4));
+    w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), bit4));
+    w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bit4));
+    w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), bit4));
+    __m256 d8, m8;
+    scales(kb, d8, m8);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + kb * QK;
+      // a pair sum is at most 2 * 31 * 127 = 7874: four add up in int16 (31496), so the
+      // block's two halves go to int32 apart
+      __m256i a16 = _mm256_maddubs_epi16(w[0], broadcast_dword(xb));
+      __m256i b16 = _mm256_maddubs_epi16(w[4], broadcast_dword(xb + 16));
+      for (int s = 1; s < 4; ++s) {
+        a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(w[s], broadcast_dword(xb + 4 * s)));
+        b16 = _mm256_add_epi16(b16, _mm256_maddubs_epi16(w[s + 4],
+                                                         broadcast_dword(xb + 16 + 4 * s)));
+      }
+      const __m256 p = _mm256_cvtepi32_ps(
+          _mm256_add_epi32(_mm256_madd_epi16(a16, ones), _mm256_madd_epi16(b16, ones)));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
       acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
     }
@@ -433,6 +488,64 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   return y;
 }
 
+torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& high, const torch::Tensor& scales,
+                          const torch::Tensor& mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
+              "q5 codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
+  check_packed(x, codes, scales, K);
+  check_part(high, "q5 high bits", torch::kUInt8, N, K / 8);
+  check_part(mins, "q5 mins", torch::kHalf, N, K / QK);
+  auto y = torch::empty({B, N}, x.options());
+  if (B == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  const QuantizedRows xr(x, true);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* h = high.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  const at::Half* mn = mins.data_ptr<at::Half>();
+  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
+    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8};
+    FLARE_DISPATCH_GTILE(rows, (q5_group<R>(c + g * nb * 128, h + g * nb * 32, gs,
+                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
+                                            xr.s.data() + b0 * nb, K, acc)));
+  });
+  return y;
+}
+
+torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& high, const torch::Tensor& scales,
+                           const torch::Tensor& mins, const torch::Tensor& d,
+                           const torch::Tensor& dmin) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
+              "q5k codes must be uint8 [N, K/2]");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
+  check_k(x, codes, K);
+  check_part(high, "q5k high bits", torch::kUInt8, N, K / 8);
+  check_part(scales, "q5k scales", torch::kUInt8, N, K / QK);
+  check_part(mins, "q5k mins", torch::kUInt8, N, K / QK);
+  check_part(d, "q5k d", torch::kHalf, N, K / 256);
+  check_part(dmin, "q5k dmin", torch::kHalf, N, K / 256);
+  auto y = torch::empty({B, N}, x.options());
+  if (B == 0 || N == 0) return y;
+  const int64_t nb = K / QK;
+  const QuantizedRows xr(x, true);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const uint8_t* h = high.data_ptr<uint8_t>();
+  const uint8_t* sc = scales.data_ptr<uint8_t>();
+  const uint8_t* mn = mins.data_ptr<uint8_t>();
+  const at::Half* pd = d.data_ptr<at::Half>();
+  const at::Half* pm = dmin.data_ptr<at::Half>();
+  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
+    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb};
+    FLARE_DISPATCH_GTILE(rows, (q5_group<R>(c + g * nb * 128, h + g * nb * 32, gs,
+                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
+                                            xr.s.data() + b0 * nb, K, acc)));
+  });
+  return y;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows_q8(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "x must be a contiguous float32 [B, K] tensor");
@@ -483,6 +596,15 @@ void flare_register_qdot8(pybind11::module_& m) {
         "y[B, N] = x[B, K] @ dequant_q6_k(W)^T with x quantized to int8 blocks, float32",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
         pybind11::arg("d"));
+  m.def("q5x8_linear", &q5x8_linear,
+        "y[B, N] = x[B, K] @ dequant_q5(W)^T (Q5_0, Q5_1) with x quantized to int8 blocks",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("high"),
+        pybind11::arg("scales"), pybind11::arg("mins"));
+  m.def("q5kx8_linear", &q5kx8_linear,
+        "y[B, N] = x[B, K] @ dequant_q5_k(W)^T with x quantized to int8 blocks, float32",
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("high"),
+        pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("d"),
+        pybind11::arg("dmin"));
   m.def("quantize_rows_q8", &quantize_rows_q8,
         "(codes int8 [B, K], scales float32 [B, K/32]): x's rows in Q8_0 blocks",
         pybind11::arg("x"));

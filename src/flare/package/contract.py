@@ -41,7 +41,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 #    suffixes (`.q4kx8_*`, `.q6kx8_*`), run by new int8-activation kernels (qdot8.cpp),
 #    Q5_0 as q8x8 blocks, q/k/v of two kinds stacked; the default for K-quant files,
 #    which older runtimes served as `fp16`.
-EXECUTION_ABI: int = 7
+# 8: `kx8` holds Q5_0, Q5_1 and Q5_K blocks as stored (5 bits a value) under new
+#    suffixes (`.q5x8_*`, `.q5kx8_*`), run by new kernels (q5x8_linear, q5kx8_linear);
+#    Q5_0 is no longer q8x8 blocks there, and Q5_K_M / Q5_1 files default to `kx8`.
+EXECUTION_ABI: int = 8
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.

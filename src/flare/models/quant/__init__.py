@@ -132,27 +132,32 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   which gives back a reference-quantized Q8_0 file's codes and float16 scales exactly.
   Decode reads 1.06 bytes per weight against `fp16`'s 2.
 
-- `kx8`: a GGUF's blocks as the file stores them, whatever mix of Q4_K, Q6_K, Q5_0, Q8_0,
-  Q4_0 and Q4_1 it holds (llama.cpp's Q4_K_M, Q6_K, and the Q5_0 / Q8_0 its quantizer
-  falls back to where an input axis is not a multiple of 256), on the int8-activation
+- `kx8`: a GGUF's blocks as the file stores them, whatever mix of Q4_K, Q5_K, Q6_K, Q5_0,
+  Q5_1, Q8_0, Q4_0 and Q4_1 it holds (llama.cpp's Q4_K_M, Q5_K_M, Q6_K, and the Q5_0 /
+  Q5_1 / Q8_0 its quantizer falls back to where an input axis is not a multiple of 256),
+  on the int8-activation
   kernels with `q4x8`'s row invariance: Q4_K as `Q4Kx8Weight` (`q4x8`'s codes and kernel,
   each block's scale d * sc and min -(dmin * m) computed from the 6-bit sc, m and the
   float16 d, dmin: exact float32 products, so the arithmetic is Q4_1's with float32
   scales, 4.625 bits a weight against the file's 4.5), Q6_K as `Q6Kx8Weight` (codes
   q - 32 one byte each, integer sums per 16 values times their int8 scale in int32, then
-  d * dx; 8.5625 bits against 6.5625), Q5_0 as `Q8x8Weight` (codes q - 16, scale d;
-  8.5 bits against 5.5), the rest as `q8x8` / `q4x8` hold them. A fused q/k/v or
+  d * dx; 8.5625 bits against 6.5625), Q5_0 / Q5_1 as `Q5x8Weight` and Q5_K as
+  `Q5Kx8Weight` (`q4x8`'s low nibbles plus a plane of fifth bits, with `q4x8`'s float16
+  scale and min, Q5_0's min -16d, or Q4_K's scales, exact: 6 bits against Q5_0's 5.5 and
+  Q5_1's 6, 5.625 against Q5_K's 5.5), the rest as `q8x8` / `q4x8` hold them. A fused
+  q/k/v or
   gate/up of two kinds is a `StackedWeight`: one kernel call a kind, the outputs
   concatenated. Every served value equals `gguf.quants.dequantize` of the file bit for
   bit (tests/unit/test_kquant.py). The default for such files (`native_format`).
 
-GGUF types no format holds as stored (Q5_K, Q5_1, Q2_K, Q3_K, i-quants, F16 layers) are
+GGUF types no format holds as stored (Q2_K, Q3_K, i-quants, F16 layers) are
 dequantized and served as `fp16` by default; asked for, `q4x8` / `q8x8` / `kx8`
 re-quantize them from the dequantized floats (not the file's values).
 
 The package, one job a module: `formats` (the format names, which applies where,
 `default_weight_format`), `blocks` (`q4`'s row-order blocks and the quantizers),
 `interleaved` (`q4x8` / `q8x8`'s 8-row layout), `kquants` (`kx8`'s Q4_K / Q6_K weights),
+`q5` (`kx8`'s 5-bit Q5_0 / Q5_1 / Q5_K weights),
 `gguf_blocks` (a GGUF's own blocks and `native_weight`), `stacked` (the weight kinds and
 fusing, `StackedWeight`), `storage` (what a package stores: `convert_tensors`,
 `weight_getter`), `dense` and `linear` (the kernels a weight runs on, `Linear`) and

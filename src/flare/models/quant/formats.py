@@ -65,14 +65,16 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
 #   exactly, else in the serving dtype (run by the dense kernels).
 # - `q8x8` also takes Q5_0 blocks when asked for (codes q - 16, scale d: exact).
 # - `kx8` (any mix of these, layers and embedding / output layer alike): Q4_K as
-#   `Q4Kx8Weight`, Q6_K as `Q6Kx8Weight`, Q5_0 and Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as
-#   `Q4x8Weight`; weights of two kinds in one fused
+#   `Q4Kx8Weight`, Q5_K as `Q5Kx8Weight`, Q6_K as `Q6Kx8Weight`, Q5_0 / Q5_1 as
+#   `Q5x8Weight`, Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`; weights of two kinds
+#   in one fused
 #   projection (a Q4_K_M file's q/k Q4_K beside a Q6_K v) run as `StackedWeight`.
 Q4X8_NATIVE_LAYER_TYPES = frozenset({"Q4_0", "Q4_1"})
 Q8X8_NATIVE_LAYER_TYPES = frozenset({"Q8_0", "Q4_0"})
 NATIVE_OTHER_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"})
-KX8_NATIVE_LAYER_TYPES = frozenset({"Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_0", "Q4_1"})
-KX8_NATIVE_OTHER_TYPES = NATIVE_OTHER_TYPES | {"Q4_K", "Q6_K", "Q5_0"}
+KX8_NATIVE_LAYER_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_0",
+                                    "Q4_1"})
+KX8_NATIVE_OTHER_TYPES = NATIVE_OTHER_TYPES | {"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"}
 Q4X8_NATIVE_OTHER_TYPES = NATIVE_OTHER_TYPES  # kept for callers of the older name
 
 
@@ -81,12 +83,12 @@ def native_format(source: Mapping | None) -> str | None:
 
     `source["weight_types"]` ({"layers": [...], "other": [...]}, GGUF type names, written
     by the GGUF loader) decides: `q4x8` for a GGUF whose layer weights are all Q4_1 or
-    Q4_0, `q8x8` for one whose layers are Q8_0 / Q5_0 (Q4_0 beside them allowed), in
+    Q4_0, `q8x8` for one whose layers are Q8_0 (Q4_0 beside them allowed), in
     both cases with the embedding / output layer among `NATIVE_OTHER_TYPES`; else `kx8`
     where every layer type is in `KX8_NATIVE_LAYER_TYPES` and every other one in
-    `KX8_NATIVE_OTHER_TYPES` (K-quant files such as Q4_K_M and Q6_K, and mixes the two
-    formats above do not fuse). Anything else (a safetensors folder, F16, Q5_1, Q5_K or
-    other layer types): None."""
+    `KX8_NATIVE_OTHER_TYPES` (K-quant files such as Q4_K_M, Q5_K_M and Q6_K, Q5_0 / Q5_1
+    files, and mixes the two formats above do not fuse). Anything else (a safetensors
+    folder, F16, Q2_K, Q3_K or other layer types): None."""
     if not source or source.get("format") != "gguf":
         return None
     types = source.get("weight_types") or {}
@@ -120,7 +122,8 @@ def default_weight_format(*, dtype: str, device: str, recipe: str,
     """The fastest exact format for a model (docs/preparation-contract.md, "Exactness").
 
     - `q4x8` for a GGUF of Q4_1 or Q4_0 layers (the embedded model is Q4_1), `q8x8` for
-      one of Q8_0 / Q5_0 layers, `kx8` for K-quant files (Q4_K_M, Q6_K, ...) and other
+      one of Q8_0 layers, `kx8` for K-quant files (Q4_K_M, Q5_K_M, Q6_K, ...),
+      Q5_0 / Q5_1 files and other
       mixes of those types (`native_format(source)`), where the format applies (CPU,
       float32, recipe `llama`) and Flare's kernel builds: the file's own blocks, the
       fastest decode and prefill measured;

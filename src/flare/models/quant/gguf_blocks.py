@@ -10,6 +10,7 @@ import torch
 from flare.models.quant.formats import Q8_NAMES
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
+from flare.models.quant.q5 import Q5Kx8Weight, Q5x8Weight, high_plane
 from flare.models.quant.stacked import QuantizedWeight
 
 # ggml's block layouts (32 values a block, little-endian float16 d and m):
@@ -21,13 +22,17 @@ from flare.models.quant.stacked import QuantizedWeight
 #   Q4_K: d, dmin, 12 bytes of 6-bit sub-block scales sc and mins m (8 of each), 128 bytes
 #         of codes (4 runs of 32 bytes: low nibbles sub-block 2r, high ones 2r + 1);
 #         value = (d * sc) * q - dmin * m
+#   Q5_1: d, m, 4 bytes qh, 16 bytes qs  value = d * q + m (q as Q5_0's)
+#   Q5_K: Q4_K's d, dmin and scales, 32 bytes qh (bit t of byte j: sub-block t's element
+#         j), 128 bytes of low nibbles as Q4_K's; value = (d * sc) * q - dmin * m
 #   Q6_K: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 int8 scales (one per 16
 #         values), d;  value = (d * sc) * (q - 32)
 # where code byte j holds element j in its low nibble and element j + 16 in its high one:
 # the byte order of `Q4Weight.codes`, so the codes are copied as they are.
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
-GGUF_BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q4_K": 256,
-                     "Q6_K": 256}  # values per block along K
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
+                    "Q5_K": 176, "Q6_K": 210}
+GGUF_BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256,
+                     "Q5_K": 256, "Q6_K": 256}  # values per block along K
 GGUF_FLOAT_TYPES = frozenset({"F16", "BF16", "F32"})
 
 
@@ -118,13 +123,45 @@ def q5_0_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, t
     blocks = _fields_of(b, "Q5_0", name)
     n = blocks.shape[0]
     d = _fp16_field(blocks, 0)
-    qh = blocks[..., 2:6].to(torch.int64)  # little-endian: bit j of the 32 is element j
-    bits = torch.arange(32)
-    high = (qh[..., bits // 8] >> (bits % 8)) & 1  # [N, nb, 32]
     c = blocks[..., 6:]
     low = torch.cat([c & 0xF, c >> 4], dim=-1).to(torch.int64)
-    q = (low | (high << 4)) - 16
+    q = (low | (_q5_fifth_bits(blocks, 2).to(torch.int64) << 4)) - 16
     return q.to(torch.int8).reshape(n, -1), d
+
+
+def _q5_fifth_bits(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fifth bits, 0/1 uint8 [N, nb, 32] in element order, of Q5_0 / Q5_1 blocks
+    whose 4 bytes qh start at `at` (little-endian: bit j of the 32 is element j)."""
+    qh = blocks[..., at:at + 4]
+    bits = torch.arange(32)
+    return (qh[..., bits // 8] >> (bits % 8).to(torch.uint8)) & 1
+
+
+def q5_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
+    """(codes uint8 [N, K/2] (the low nibbles, `Q4Weight`'s byte order), fifth bits
+    uint8 [N, K/8] (`high_plane`), scales, mins float16 [N, K/32]) of a Q5_0 or Q5_1
+    weight, the file's own values: Q5_1's d and m; Q5_0's d and min -16d (exact in
+    float16: a power-of-two multiple; and d * q - 16d = d * (q - 16) exactly in float32,
+    both sides holding at most 16 significant bits).
+
+    Raises:
+        ValueError: another type, or a Q5_0 scale whose -16d overflows float16 (naming
+            `name`).
+    """
+    if b.kind not in ("Q5_0", "Q5_1"):
+        raise ValueError(f"weight {name!r} is {b.kind}, not Q5_0 or Q5_1")
+    blocks = _block_fields(b)
+    n = blocks.shape[0]
+    d = _fp16_field(blocks, 0)
+    if b.kind == "Q5_1":
+        m, at = _fp16_field(blocks, 2), 4
+    else:
+        m, at = (d.float() * -16).half(), 2
+        if not bool(torch.isfinite(m).all()):
+            raise ValueError(f"weight {name!r} has Q5_0 scales whose min -16d is beyond "
+                             f"float16's range; use --weights fp16")
+    codes = blocks[..., at + 4:].reshape(n, -1).contiguous()
+    return codes, high_plane(_q5_fifth_bits(blocks, at)), d, m
 
 
 def _q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,14 +184,40 @@ def q4_k_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, .
         ValueError: another type (naming `name`).
     """
     blocks = _fields_of(b, "Q4_K", name)
+    n = blocks.shape[0]
+    d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)
+    sc, m = _q4_k_scales(blocks[..., 4:16])
+    return (_k_nibbles(blocks[..., 16:]), sc.reshape(n, -1).contiguous(),
+            m.reshape(n, -1).contiguous(), d, dmin)
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K's 128 bytes of low nibbles uint8 [N, ns, 128] (4 runs of 32 bytes:
+    low nibbles sub-block 2r, high ones 2r + 1) as codes uint8 [N, K/2] in `Q4Weight`'s
+    byte order (byte j of a block of 32: element j low, j + 16 high)."""
+    n, ns, _ = qs.shape
+    runs = qs.reshape(n, ns, 4, 32)
+    q = torch.stack([runs & 0xF, runs >> 4], dim=3).reshape(n, ns * 8, 32)  # sub-blocks
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(n, -1).contiguous()
+
+
+def q5_k_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
+    """(codes uint8 [N, K/2] (low nibbles, `Q4Weight`'s byte order), fifth bits uint8
+    [N, K/8] (`high_plane`), sc uint8 [N, K/32], m uint8 [N, K/32], d, dmin float16
+    [N, K/256]) of a Q5_K weight, the file's own values: value = (d * sc) * q - dmin * m,
+    as gguf dequantizes it.
+
+    Raises:
+        ValueError: another type (naming `name`).
+    """
+    blocks = _fields_of(b, "Q5_K", name)
     n, ns, _ = blocks.shape
     d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)
     sc, m = _q4_k_scales(blocks[..., 4:16])
-    runs = blocks[..., 16:].reshape(n, ns, 4, 32)
-    q = torch.stack([runs & 0xF, runs >> 4], dim=3).reshape(n, ns * 8, 32)  # sub-blocks
-    codes = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j low, j + 16 high
-    return (codes.reshape(n, -1).contiguous(), sc.reshape(n, -1).contiguous(),
-            m.reshape(n, -1).contiguous(), d, dmin)
+    qh = blocks[..., 16:48].reshape(n, ns, 1, 32)  # bit t of byte j: sub-block t, element j
+    high = (qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1  # [N, ns, 8, 32]
+    return (_k_nibbles(blocks[..., 48:]), high_plane(high.reshape(n, ns * 8, 32)),
+            sc.reshape(n, -1).contiguous(), m.reshape(n, -1).contiguous(), d, dmin)
 
 
 def q6_k_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
@@ -189,15 +252,20 @@ def native_weight(name: str, b: GGUFBlocks, fmt: str, value: torch.Tensor
     (`q8_from_gguf`, `q5_0_from_gguf`). The token embedding and output layer
     (`Q8_NAMES`), in any of them: Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`, F16 /
     BF16 / F32 as the float tensor `value` (float16 where every value converts exactly,
-    else as given). `kx8`, layers and the rest alike: Q4_K as `Q4Kx8Weight`, Q6_K as
-    `Q6Kx8Weight`, Q5_0 and Q8_0 as `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`.
+    else as given). `kx8`, layers and the rest alike: Q4_K as `Q4Kx8Weight`, Q5_K as
+    `Q5Kx8Weight`, Q6_K as `Q6Kx8Weight`, Q5_0 / Q5_1 as `Q5x8Weight`, Q8_0 as
+    `Q8x8Weight`, Q4_0 / Q4_1 as `Q4x8Weight`.
     """
     other = name in Q8_NAMES or fmt == "kx8"  # kx8 holds every listed type anywhere
     if b.data is not None and fmt == "kx8":
         if b.kind == "Q4_K":
             return Q4Kx8Weight.of(*q4_k_from_gguf(b, name), name=name)
+        if b.kind == "Q5_K":
+            return Q5Kx8Weight.of(*q5_k_from_gguf(b, name), name=name)
         if b.kind == "Q6_K":
             return Q6Kx8Weight.of(*q6_k_from_gguf(b, name), name=name)
+        if b.kind in ("Q5_0", "Q5_1"):
+            return Q5x8Weight.of(*q5_from_gguf(b, name), name=name)
     if b.data is not None and b.kind == "Q5_0" and (other or fmt == "q8x8"):
         return Q8x8Weight.of(*q5_0_from_gguf(b, name), name)
     if b.kind in GGUF_FLOAT_TYPES:

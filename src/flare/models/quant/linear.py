@@ -12,6 +12,7 @@ from flare.models.quant.blocks import Q4Weight
 from flare.models.quant.dense import dense_kernels, fp16_ops
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
+from flare.models.quant.q5 import Q5Kx8Weight, Q5x8Weight
 from flare.models.quant.sizes import fbgemm_fp16_packed_bytes
 from flare.models.quant.stacked import BLOCK_KINDS, QuantizedWeight, StackedWeight
 
@@ -48,7 +49,8 @@ class Linear:
     Args:
         weight: [out, in], in `dtype`, or float16 with `dtype` float32, or a quantized
             weight (`Q4Weight`, `Q8Weight`, `Q4x8Weight`, `Q8x8Weight`, `Q4Kx8Weight`,
-            `Q6Kx8Weight`, or a `StackedWeight` of them, one kernel a part) with `dtype`
+            `Q6Kx8Weight`, `Q5x8Weight`, `Q5Kx8Weight`, or a `StackedWeight` of them, one
+            kernel a part) with `dtype`
             float32 on CPU (Flare's kernels; where they cannot be had, dequantized to
             float32 at load with a warning). A float16 or float32 weight under float32
             on CPU is packed into panels for Flare's row-invariant dense kernels
@@ -133,7 +135,10 @@ class Linear:
             y = k.q4kx8_linear(x, w.codes, w.scales, w.mins, w.d, w.dmin)
         elif isinstance(w, Q6Kx8Weight):
             y = k.q6kx8_linear(x, w.codes, w.scales, w.d)
-
+        elif isinstance(w, Q5x8Weight):
+            y = k.q5x8_linear(x, w.codes, w.high, w.scales, w.mins)
+        elif isinstance(w, Q5Kx8Weight):
+            y = k.q5kx8_linear(x, w.codes, w.high, w.scales, w.mins, w.d, w.dmin)
         elif isinstance(w, Q4Weight):
             if x.shape[0] <= Q_KERNEL_MAX_ROWS:
                 y = k.q4_linear(x, w.codes, w.scales, w.mins)

@@ -10,6 +10,7 @@ import torch
 from flare.models.quant.blocks import Q4Weight, Q8Weight
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
+from flare.models.quant.q5 import Q5Kx8Weight, Q5x8Weight
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ class StackedWeight:
                           for p in self.parts_])
 
 
-QuantizedWeight = Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight | Q4Kx8Weight | Q6Kx8Weight
-BLOCK_KINDS = (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight, Q4Kx8Weight, Q6Kx8Weight)
+QuantizedWeight = (Q4Weight | Q8Weight | Q4x8Weight | Q8x8Weight | Q4Kx8Weight | Q6Kx8Weight
+                   | Q5x8Weight | Q5Kx8Weight)
+BLOCK_KINDS = (Q4Weight, Q8Weight, Q4x8Weight, Q8x8Weight, Q4Kx8Weight, Q6Kx8Weight,
+               Q5x8Weight, Q5Kx8Weight)
 # the kinds a `StackedWeight` may hold (the int8-activation ones)
 _INT8_KINDS = BLOCK_KINDS[2:]
 
@@ -50,7 +53,8 @@ def cat_weights(weights: list[torch.Tensor | QuantizedWeight]
     """Weights [N_i, K] of one kind stacked along the output axis (fused q/k/v, gate/up).
 
     Weights of several int8-activation kinds (`Q4x8Weight`, `Q8x8Weight`, `Q4Kx8Weight`,
-    `Q6Kx8Weight`: a GGUF that stores q/k and v in two types) give a `StackedWeight` of
+    `Q6Kx8Weight`, `Q5x8Weight`, `Q5Kx8Weight`: a GGUF that stores q/k and v in two
+    types) give a `StackedWeight` of
     the runs of one kind, each fused.
 
     Raises:

@@ -25,6 +25,7 @@ from flare.models.quant.formats import (
 from flare.models.quant.gguf_blocks import GGUFBlocks, native_weight
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
+from flare.models.quant.q5 import Q5Kx8Weight, Q5x8Weight
 from flare.models.quant.stacked import QuantizedWeight
 
 Q4_SUFFIXES = (".q4_codes", ".q4_scales", ".q4_mins")  # uint8 [N, K/2], f32 [N, K/32] x 2
@@ -35,13 +36,19 @@ Q8X8_SUFFIXES = (".q8x8_codes", ".q8x8_scales")
 # format `kx8`: a GGUF's Q4_K and Q6_K weights as stored (`Q4Kx8Weight`, `Q6Kx8Weight`)
 Q4KX8_SUFFIXES = (".q4kx8_codes", ".q4kx8_scales", ".q4kx8_mins", ".q4kx8_d", ".q4kx8_dmin")
 Q6KX8_SUFFIXES = (".q6kx8_codes", ".q6kx8_scales", ".q6kx8_d")
+# ... and its 5-bit blocks: Q5_0 / Q5_1 (`Q5x8Weight`), Q5_K (`Q5Kx8Weight`)
+Q5X8_SUFFIXES = (".q5x8_codes", ".q5x8_high", ".q5x8_scales", ".q5x8_mins")
+Q5KX8_SUFFIXES = (".q5kx8_codes", ".q5kx8_high", ".q5kx8_scales", ".q5kx8_mins", ".q5kx8_d",
+                  ".q5kx8_dmin")
 
 _SUFFIXES = ((Q4_SUFFIXES, Q4Weight), (Q8_SUFFIXES, Q8Weight), (Q4X8_SUFFIXES, Q4x8Weight),
              (Q8X8_SUFFIXES, Q8x8Weight), (Q4KX8_SUFFIXES, Q4Kx8Weight),
-             (Q6KX8_SUFFIXES, Q6Kx8Weight))
+             (Q6KX8_SUFFIXES, Q6Kx8Weight), (Q5X8_SUFFIXES, Q5x8Weight),
+             (Q5KX8_SUFFIXES, Q5Kx8Weight))
 
 
-_KX8_SUFFIXES = {Q4Kx8Weight: Q4KX8_SUFFIXES, Q6Kx8Weight: Q6KX8_SUFFIXES}
+_KX8_SUFFIXES = {Q4Kx8Weight: Q4KX8_SUFFIXES, Q6Kx8Weight: Q6KX8_SUFFIXES,
+                 Q5x8Weight: Q5X8_SUFFIXES, Q5Kx8Weight: Q5KX8_SUFFIXES}
 
 
 def weight_getter(tensors: Mapping[str, torch.Tensor]
@@ -77,7 +84,8 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str,
     same blocks in the 8-row interleaved layout (`Q4x8Weight.pack`, `Q8x8Weight.pack`)
     under `Q4X8_SUFFIXES` / `Q8X8_SUFFIXES`; `q8x8` stores every 2-D weight as
     `Q8x8Weight` (`quantize_q8`); `kx8` stores a GGUF's blocks as they are (`Q4Kx8Weight`
-    under `Q4KX8_SUFFIXES`, `Q6Kx8Weight` under `Q6KX8_SUFFIXES`, the others as `q8x8` /
+    under `Q4KX8_SUFFIXES`, `Q6Kx8Weight` under `Q6KX8_SUFFIXES`, `Q5x8Weight` /
+    `Q5Kx8Weight` under `Q5X8_SUFFIXES` / `Q5KX8_SUFFIXES`, the others as `q8x8` /
     `q4x8` store them) and re-quantizes any other weight as `q8x8` does. 1-D tensors
     (norms, biases) are kept as they are.
 
@@ -117,7 +125,7 @@ def convert_tensors(tensors: Mapping[str, torch.Tensor], fmt: str,
                 w = (quantize_q8 if q8 else quantize_q4)(v, k)
                 if fmt in INT8_FORMATS:
                     w = (Q8x8Weight if q8 else Q4x8Weight).pack(w, k)
-            if isinstance(w, (Q4Kx8Weight, Q6Kx8Weight)):
+            if type(w) in _KX8_SUFFIXES:
                 suffixes = _KX8_SUFFIXES[type(w)]
             elif isinstance(w, Q4x8Weight):
                 suffixes = Q4X8_SUFFIXES

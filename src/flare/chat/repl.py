@@ -13,8 +13,11 @@ server pins the conversation's state; the messages are kept by `ConversationStor
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,7 +223,8 @@ class ChatApp:
                         self.note("[command interrupted]")
                     continue
                 try:
-                    self.turn(text)
+                    with _ctrl_c_interrupts():
+                        self.turn(text)
                 except KeyboardInterrupt:  # outside the stream (sending, storing): stop it
                     if self.conv.messages[-1:] == [{"role": "user", "content": text}]:
                         self.conv.messages.pop()  # no answer: the question is not kept
@@ -439,3 +443,20 @@ class ChatApp:
 
     def cmd_exit(self, arg: str) -> bool:
         return False
+
+
+@contextlib.contextmanager
+def _ctrl_c_interrupts() -> Iterator[None]:
+    """Ctrl+C (SIGINT) raises KeyboardInterrupt inside the block, whatever handler the
+    prompt library's event loop left installed: an answer that streams while a no-op
+    handler is in place would otherwise ignore Ctrl+C and run to its end. The previous
+    handler comes back after. Only the main thread may set handlers; elsewhere (tests
+    driving the REPL from a thread) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -226,8 +226,8 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype,
 def gguf_blocks(reader: GGUFReader, config: ModelConfig,
                 where: str = "GGUF") -> dict[str, GGUFBlocks]:
     """Each 2-D weight's GGUF type, with the file's own block bytes for the types the
-    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0, Q5_0, Q4_K,
-    Q6_K).
+    quantized formats serve as stored (`GGUF_BLOCK_BYTES`: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1,
+    Q4_K, Q5_K, Q6_K).
 
     The bytes are uint8 [rows, bytes per row] views of the file map (no copy), except for
     a llama q_proj / k_proj, whose rows get the loader's un-permutation (`unpermute_qk`

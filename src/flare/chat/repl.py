@@ -181,6 +181,10 @@ class ChatApp:
     # -- the loop -------------------------------------------------------------------
     def run(self, resumed: bool) -> int:
         """Read and answer until the user leaves. Returns the exit status (0)."""
+        with _ctrl_c_interrupts():
+            return self._run(resumed)
+
+    def _run(self, resumed: bool) -> int:
         self.console.print(f"[bold]flare chat[/bold] · {escape(self.model)} at "
                            f"{escape(self.client.url)}", highlight=False)
         self.note("/help lists the commands · Enter sends, Alt+Enter (Esc Enter) starts a "
@@ -223,8 +227,7 @@ class ChatApp:
                         self.note("[command interrupted]")
                     continue
                 try:
-                    with _ctrl_c_interrupts():
-                        self.turn(text)
+                    self.turn(text)
                 except KeyboardInterrupt:  # outside the stream (sending, storing): stop it
                     if self.conv.messages[-1:] == [{"role": "user", "content": text}]:
                         self.conv.messages.pop()  # no answer: the question is not kept
@@ -447,11 +450,13 @@ class ChatApp:
 
 @contextlib.contextmanager
 def _ctrl_c_interrupts() -> Iterator[None]:
-    """Ctrl+C (SIGINT) raises KeyboardInterrupt inside the block, whatever handler the
-    prompt library's event loop left installed: an answer that streams while a no-op
-    handler is in place would otherwise ignore Ctrl+C and run to its end. The previous
-    handler comes back after. Only the main thread may set handlers; elsewhere (tests
-    driving the REPL from a thread) the block runs as it is."""
+    """Ctrl+C (SIGINT) raises KeyboardInterrupt inside the block, whatever disposition the
+    process started with: a shell starts a command run with `&` (job control off) with
+    SIGINT ignored, and Python then keeps ignoring it, so neither a streaming answer nor
+    the prompt's edge would ever see Ctrl+C. (prompt_toolkit reads Ctrl+C as a key while it
+    holds the terminal, and puts this handler back after.) The previous disposition comes
+    back after the block. Only the main thread may set handlers; elsewhere (tests driving
+    the REPL from a thread) the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -63,7 +63,7 @@ LinearSpec parse_linear(const py::handle& obj) {
   if (kind == "q4x8") s.kind = Kind::Q4X8, want = 3;
   else if (kind == "q8x8") s.kind = Kind::Q8X8, want = 2;
   else if (kind == "q4kx8") s.kind = Kind::Q4KX8, want = 5;
-  else if (kind == "q6kx8") s.kind = Kind::Q6KX8, want = 4;
+  else if (kind == "q6kx8") s.kind = Kind::Q6KX8, want = 3;
   else if (kind == "f16") s.kind = Kind::F16, want = 1;
   else if (kind == "f32") s.kind = Kind::F32, want = 1;
   else if (kind == "stacked") s.kind = Kind::STACKED, want = 0;

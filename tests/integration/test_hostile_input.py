@@ -112,13 +112,13 @@ def test_a_request_of_n_choices_holds_n_places_in_the_queue(server, client):
     within --max-queue 2 (each admitted request widens its ticket to 2 before queueing, or
     gets 429 queue_full naming `n`), and n=3 alone could never be queued: 400 on `n`."""
     wait_idle(client)
-    body = {"model": MODEL, "messages": user("Count to one hundred."), "max_tokens": 24,
+    body = {"model": MODEL, "messages": user("Count to one hundred."), "max_tokens": 40,
             "ignore_eos": True, "temperature": 0, "n": 2}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     err = error_of(client.post("/v1/chat/completions", json={**body, "n": 3}), 400)
     assert err["param"] == "n" and "--max-queue" in err["message"]
-    statuses, seen = _burst(server, client, body, 12, 3)
+    statuses, seen = _burst(server, client, body, BURST, 3)  # the n=1 burst's pressure
     assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses, statuses
     assert len(seen) > 100 and max(seen) <= MAX_QUEUE, max(seen)
     assert server.engine.engine.stats()["num_waiting_peak"] <= MAX_QUEUE

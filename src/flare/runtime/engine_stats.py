@@ -12,12 +12,11 @@ class EngineStats:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued and not yet running (any thread; no locks taken).
-
-        Never an undercount: a request moves from the inbox to the scheduler's waiting
-        queue by being added there first and taken out of the inbox after
-        (`_drain_inbox`), and the inbox is read first."""
-        return len(self._inbox) + len(self.scheduler.waiting)
+        """Requests queued and not yet running (any thread), exact: a request moves from
+        the inbox to the scheduler's waiting queue under the inbox lock (`_admit`), and it
+        is read under that lock, so it is never counted twice nor missed."""
+        with self._wake:
+            return len(self._inbox) + len(self.scheduler.waiting)
 
     def stats(self) -> dict[str, int]:
         """Pool occupancy, queue lengths and counters (a snapshot; ints)."""

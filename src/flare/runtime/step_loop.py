@@ -63,12 +63,14 @@ class StepLoop:
                     fut.set_result(fn())
                 except BaseException as exc:  # reaches the caller, never the step loop
                     fut.set_exception(exc)
+        admitted = 0
         try:
             for req in inbox:
                 self._admit(req)
+                admitted += 1
         finally:
-            with self._wake:
-                del self._inbox[:len(inbox)]  # later arrivals were appended after these
+            with self._wake:  # what was not admitted (a failure) leaves the inbox too
+                del self._inbox[:len(inbox) - admitted]  # later arrivals come after these
         for rid in aborts:
             seq = self._seqs.get(rid)
             if seq is not None:
@@ -89,7 +91,9 @@ class StepLoop:
                                               StopStringMatcher(p.stop), frozenset(stop_ids))
         self._seqs[req.request_id] = seq
         self.counters.prompt_tokens_total += n
-        self.scheduler.add(seq)
+        with self._wake:  # into the waiting queue and out of the inbox at once: an exact
+            self.scheduler.add(seq)  # `num_waiting` for the queue bound, never counted twice
+            del self._inbox[0]  # this request: the inbox's oldest
 
     def step(self) -> bool:
         """One engine step: take inbox, aborts and commands, schedule, forward, sample, emit

@@ -39,6 +39,19 @@ def check_groups(n: int, name: str) -> None:
                          f"'q8x8' need a multiple of 8; use --weights q4 or fp16")
 
 
+class NibbleParts:
+    """Shared by the block weights held as `parts()` with 4-bit `codes` [N, K/2]
+    (Q4_K, Q5_0 / Q5_1, Q5_K): shape (N, K) and bytes held (the sum of the parts)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts())
+
+
 def _half(t: torch.Tensor, name: str) -> torch.Tensor:
     """Block scales or mins as float16. Raises ValueError naming the weight when one is
     beyond float16's range (it would turn infinite)."""

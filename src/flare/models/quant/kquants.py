@@ -9,6 +9,7 @@ import torch
 
 from flare.models.quant.blocks import QBLOCK
 from flare.models.quant.interleaved import (
+    NibbleParts,
     check_groups,
     deinterleave,
     interleave,
@@ -38,7 +39,7 @@ def q6_k_values(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch
 
 
 @dataclass(frozen=True)
-class Q4Kx8Weight:
+class Q4Kx8Weight(NibbleParts):
     """A GGUF Q4_K weight [N, K] (K a multiple of 256) as stored, in the 8-row interleaved
     layout, run with int8 activations (`q4kx8_linear`, kernels/qdot8.cpp: `q4x8`'s
     kernel, each block's scale d * sc and min -(dmin * m) computed exactly in float32).
@@ -69,14 +70,6 @@ class Q4Kx8Weight:
         return cls(interleave(codes.contiguous(), 4), interleave(sc.contiguous(), 1),
                    interleave(m.contiguous(), 1), interleave(d.contiguous(), 1),
                    interleave(dmin.contiguous(), 1))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 2
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts())
 
     def parts(self) -> tuple[torch.Tensor, ...]:
         """(codes, scales, mins, d, dmin), in `Q4KX8_SUFFIXES` order."""

@@ -16,6 +16,7 @@ import torch
 
 from flare.models.quant.blocks import QBLOCK
 from flare.models.quant.interleaved import (
+    NibbleParts,
     check_groups,
     deinterleave,
     interleave,
@@ -71,7 +72,7 @@ def q5_k_values(codes: torch.Tensor, high: torch.Tensor, sc: torch.Tensor, m: to
 
 
 @dataclass(frozen=True)
-class Q5x8Weight:
+class Q5x8Weight(NibbleParts):
     """A GGUF Q5_0 or Q5_1 weight [N, K] as stored (5 bits a value), in the 8-row
     interleaved layout, run with int8 activations (`q5x8_linear`, kernels/qdot8.cpp:
     `q4x8`'s arithmetic on 5-bit codes).
@@ -100,14 +101,6 @@ class Q5x8Weight:
         return cls(interleave(codes.contiguous(), 4), interleave(high.contiguous(), 4),
                    interleave(scales.contiguous(), 1), interleave(mins.contiguous(), 1))
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 2
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts())
-
     def parts(self) -> tuple[torch.Tensor, ...]:
         """(codes, high, scales, mins), in `Q5X8_SUFFIXES` order."""
         return self.codes, self.high, self.scales, self.mins
@@ -127,7 +120,7 @@ _Q5K_CHUNKS = (4, 4, 1, 1, 1, 1)
 
 
 @dataclass(frozen=True)
-class Q5Kx8Weight:
+class Q5Kx8Weight(NibbleParts):
     """A GGUF Q5_K weight [N, K] (K a multiple of 256) as stored, in the 8-row
     interleaved layout, run with int8 activations (`q5kx8_linear`: `Q5x8Weight`'s 5-bit
     codes with `Q4Kx8Weight`'s scales, computed exactly in float32).
@@ -156,14 +149,6 @@ class Q5Kx8Weight:
         check_groups(codes.shape[0], name)
         return cls(*(interleave(t.contiguous(), c)
                      for t, c in zip((codes, high, sc, m, d, dmin), _Q5K_CHUNKS)))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.codes.shape[1] * 2
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts())
 
     def parts(self) -> tuple[torch.Tensor, ...]:
         """(codes, high, scales, mins, d, dmin), in `Q5KX8_SUFFIXES` order."""

@@ -21,8 +21,9 @@ with `prepare_package` and loaded through flare's loader. For each recipe, on on
 - write-through (issue 18): the TTFT of turn 10 after turns 1-9 ran on an engine with a
   state folder that was then stopped without a save flag and replaced by a new engine on
   the folder (the restored state comes from what write-through wrote), and its cached
-  tokens; aggregate decode tok/s at batch 8 with a state folder and write-through on vs
-  off (interleaved rounds, medians), and the slowdown in percent.
+  tokens; decode tok/s of a continuous 8-stream load (24 requests of 64-128 tokens, so
+  finishes and their writes overlap decode) with a state folder and write-through on vs
+  off (ABBA rounds, medians), and the slowdown in percent.
 Figures, not pass/fail: compare columns of one run, never numbers from another machine.
 Tiny: about 75 s on one CPU thread (a fifth of it loading the tokenizer from the GGUF);
 embedded: about 4 minutes on one thread with `--repeats 1` (building, saving and preparing
@@ -174,15 +175,30 @@ def restart_ttft(pkg, folder: Path, rng: random.Random, vocab: int,
 
 def write_through_decode(pkg, root: Path, rng: random.Random, vocab: int,
                          repeats: int) -> tuple[float, float]:
-    """Decode at 8 streams (128 tokens each) with a state folder, write-through on and off,
-    interleaved; medians of `repeats` rounds (tok/s on, tok/s off)."""
+    """Continuous decode at 8 streams with a state folder, write-through on and off.
+
+    A round is 24 requests over the engine's 8 sequence slots, completions of 64 to 128
+    tokens, so sequences finish at different steps and each finish's write-through (the
+    records copied on the engine thread, then written by the transfer worker) overlaps
+    the other streams' decode, as in a serving engine. The rounds run in ABBA order (on,
+    off, off, on, ...) to cancel drift, and each waits for its engine's transfer queue to
+    drain after the timed window, so one engine's background writes never land in the
+    other's round. Returns medians of `repeats` rounds each (tok/s on, tok/s off): every
+    completion token over the wall time from the first request's start to the last
+    finish."""
     engines = {on: Engine.from_package(pkg, prefix_cache=True, state_dir=root / f"wt-{on}",
                                        write_through=on) for on in (True, False)}
     out: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(repeats):
-        for on, engine in engines.items():
-            out[on].append(decode_tok_s(engine, [_ids(rng, 32, vocab) for _ in range(8)],
-                                        128))
+    for i in range(repeats):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            engine = engines[on]
+            reqs = [GenerationRequest(f"w{i}-{j}", _ids(rng, 32, vocab),
+                                      _greedy(64 + (j * 37) % 65)) for j in range(24)]
+            r = _run(engine, reqs)
+            end = max(r[q.request_id]["done"] for q in reqs)
+            tokens = sum(len(r[q.request_id]["tokens"]) for q in reqs)
+            out[on].append(tokens / ((end - r[""]["t0"]) / 1e9))
+            engine.tiers.transfers.wait_idle(60.0)
     for engine in engines.values():
         engine.stop()
     return statistics.median(out[True]), statistics.median(out[False])

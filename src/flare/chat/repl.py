@@ -1,11 +1,10 @@
 """The interactive loop of `flare chat`: prompt_toolkit reads the input (line editing,
 history, multi-line), rich renders the streamed answer as Markdown.
 
-Keys: Enter sends; Alt+Enter (Esc then Enter) starts a new line, and so does Enter inside a
-message that begins with three quotes (it ends at a line ending with three quotes); a
-paste keeps its newlines. Ctrl+C while an answer streams stops it (the connection is
-closed, so the server aborts the request and frees its pages) and keeps what came; Ctrl+C
-at the prompt clears the line, a second one in a row exits, as does Ctrl+D or /exit.
+Keys (`flare.chat.prompt_input`): Enter sends, Alt+Enter starts a new line. Ctrl+C while
+an answer streams stops it (the connection is closed, so the server aborts the request and
+frees its pages) and keeps what came; Ctrl+C at the prompt clears the line, a second one in
+a row exits, as does Ctrl+D or /exit. Answers are shown by `flare.chat.answer_view`.
 
 Each turn sends the whole conversation naming its session (`"session": NAME`), so the
 server pins the conversation's state; the messages are kept by `ConversationStore`.
@@ -13,29 +12,21 @@ server pins the conversation's state; the messages are kept by `ConversationStor
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.history import FileHistory, InMemoryHistory
-from prompt_toolkit.key_binding import KeyBindings
 from rich.console import Console
-from rich.live import Live
 from rich.markdown import Markdown
 from rich.markup import escape
 from rich.table import Table
 
+from flare.chat.answer_view import format_stats, show_answer
 from flare.chat.client import ChatError, ChatStream, FlareClient, TurnStats
+from flare.chat.prompt_input import ctrl_c_interrupts, key_bindings, unquote
 from flare.chat.store import Conversation, ConversationStore, StoreError, check_name
-
-REFRESH_S = 0.08  # at most this often the streamed Markdown is re-rendered
-QUOTES = '"""'
 
 HELP = [
     ("/new [NAME]", "start a new conversation (a new session)"),
@@ -43,8 +34,8 @@ HELP = [
     ("/switch NAME", "continue another conversation"),
     ("/fork NAME", "branch this conversation into NAME (pages shared) and continue there"),
     ("/save", "write this session's state to the server's disk tier (survives a restart)"),
-    ("/stats", "the last answer's figures: time to first token, tokens/s, cached tokens, "
-               "where the reused state came from"),
+    ("/stats", ("the last answer's figures: time to first token, tokens/s, cached tokens, "
+                "where the reused state came from")),
     ("/system [TEXT]", "show or set the system prompt of this conversation"),
     ("/help", "this list"),
     ("/exit", "leave (also Ctrl+D, or Ctrl+C twice at the prompt)"),
@@ -68,57 +59,6 @@ class ChatOptions:
     ignore_eos: bool = False
     markdown: bool = True
     save_on_exit: bool = True
-
-
-def _key_bindings() -> KeyBindings:
-    kb = KeyBindings()
-
-    @kb.add("enter")
-    def _enter(event: Any) -> None:
-        buf = event.current_buffer
-        text = buf.document.text
-        if text.lstrip().startswith(QUOTES) and not (
-                len(text.strip()) > 3 and text.rstrip().endswith(QUOTES)):
-            buf.insert_text("\n")
-        else:
-            buf.validate_and_handle()
-
-    @kb.add("escape", "enter")
-    def _newline(event: Any) -> None:
-        event.current_buffer.insert_text("\n")
-
-    return kb
-
-
-def _unquote(text: str) -> str:
-    t = text.strip()
-    if t.startswith(QUOTES):
-        t = t[3:]
-        if t.rstrip().endswith(QUOTES):
-            t = t.rstrip()[:-3]
-    return t.strip("\n")
-
-
-def format_stats(s: TurnStats) -> list[str]:
-    """/stats lines for one turn (server figures labelled with their clock)."""
-    def sec(v: float | None) -> str:
-        return f"{v:.3f} s" if v is not None else "not reported"
-
-    lines = [f"time to first token  {sec(s.ttft_s)} (server clock), "
-             f"{sec(s.client_ttft_s)} (as this client saw it)"]
-    rate = (f"{s.decode_tokens_per_s:.1f} tokens/s (server clock, tokens after the first)"
-            if s.decode_tokens_per_s is not None else "not reported")
-    lines.append(f"decode               {rate}")
-    if s.prompt_tokens is None:
-        lines.append("prompt               not reported (the answer was stopped before "
-                     "the server sent its usage)")
-    else:
-        where = f"from the {s.tier}" if s.tier else "none reused"
-        lines.append(f"prompt               {s.prompt_tokens} tokens, {s.cached_tokens or 0} "
-                     f"cached ({where}; reuse {s.outcome or 'not reported'})")
-    done = s.completion_tokens if s.completion_tokens is not None else "?"
-    lines.append(f"answer               {done} tokens, finish: {s.finish_reason}")
-    return lines
 
 
 class ChatApp:
@@ -181,7 +121,7 @@ class ChatApp:
     # -- the loop -------------------------------------------------------------------
     def run(self, resumed: bool) -> int:
         """Read and answer until the user leaves. Returns the exit status (0)."""
-        with _ctrl_c_interrupts():
+        with ctrl_c_interrupts():
             return self._run(resumed)
 
     def _run(self, resumed: bool) -> int:
@@ -192,7 +132,7 @@ class ChatApp:
         self.describe(resumed)
         history = FileHistory(str(self.history_file)) if self.history_file \
             else InMemoryHistory()
-        prompt = PromptSession(history=history, key_bindings=_key_bindings(),
+        prompt = PromptSession(history=history, key_bindings=key_bindings(),
                                multiline=True, prompt_continuation="... ")
         interrupted = False
         try:  # a Ctrl+C between two prompts leaves, as a second one at the prompt does
@@ -211,7 +151,7 @@ class ChatApp:
                 except EOFError:
                     break
                 interrupted = False
-                text = _unquote(text)
+                text = unquote(text)
                 if not text.strip():
                     continue
                 if text.startswith("/"):
@@ -280,32 +220,7 @@ class ChatApp:
 
     def _show(self, stream: ChatStream) -> tuple[str, bool]:
         """Print the answer as it streams. Returns (text, stopped by Ctrl+C)."""
-        text = ""
-        if not self.options.markdown or not self.console.is_terminal:
-            try:
-                for delta in stream:
-                    text += delta
-                    self.console.out(delta, end="", highlight=False)
-            except KeyboardInterrupt:
-                self.console.out("")
-                return text, True
-            self.console.out("")
-            return text, False
-        shown = 0.0
-        with Live(Markdown(""), console=self.console, auto_refresh=False,
-                  vertical_overflow="visible") as live:
-            try:
-                for delta in stream:
-                    text += delta
-                    now = time.monotonic()
-                    if now - shown >= REFRESH_S:
-                        live.update(Markdown(text), refresh=True)
-                        shown = now
-            except KeyboardInterrupt:
-                live.update(Markdown(text), refresh=True)
-                return text, True
-            live.update(Markdown(text), refresh=True)
-        return text, False
+        return show_answer(stream, self.console, self.options.markdown)
 
     def _store(self, conv: Conversation) -> None:
         try:
@@ -447,21 +362,3 @@ class ChatApp:
     def cmd_exit(self, arg: str) -> bool:
         return False
 
-
-@contextlib.contextmanager
-def _ctrl_c_interrupts() -> Iterator[None]:
-    """Ctrl+C (SIGINT) raises KeyboardInterrupt inside the block, whatever disposition the
-    process started with: a shell starts a command run with `&` (job control off) with
-    SIGINT ignored, and Python then keeps ignoring it, so neither a streaming answer nor
-    the prompt's edge would ever see Ctrl+C. (prompt_toolkit reads Ctrl+C as a key while it
-    holds the terminal, and puts this handler back after.) The previous disposition comes
-    back after the block. Only the main thread may set handlers; elsewhere (tests driving
-    the REPL from a thread) the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)

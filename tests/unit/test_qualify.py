@@ -19,8 +19,9 @@ from flare.qualify.client import Client
 from flare.qualify.packet import write_packet
 from flare.qualify.report import restore_rows, write_report
 from flare.qualify.runner import DEFAULT_CORPUS, load_corpus, prepare_out
-from flare.qualify.scenarios import Run, Settings
+from flare.qualify.scenarios import Run
 from flare.qualify.server import ManagedServer
+from flare.qualify.workload import Settings
 
 # --------------------------------------------------------------------------- SSE client
 

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url is None and args.package is None:
         raise ValueError("qualify needs --url URL or --package PKG")
     from flare.qualify.runner import DEFAULT_CORPUS, qualify
-    from flare.qualify.scenarios import Settings
+    from flare.qualify.workload import Settings
     from flare.serve_child import ServerStartError
 
     overrides = {k: v for k, v in (("max_tokens", args.max_tokens),

@@ -20,8 +20,9 @@ from flare.evidence.schema import EVIDENCE_FILES
 from flare.qualify import provenance
 from flare.qualify.client import Client
 from flare.qualify.packet import build_packet, write_packet
-from flare.qualify.scenarios import Run, Settings
+from flare.qualify.scenarios import Run
 from flare.qualify.server import ManagedServer
+from flare.qualify.workload import Settings
 from flare.serve_child import ServerStartError
 
 DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "corpus" / "agent-sessions-v1.json"

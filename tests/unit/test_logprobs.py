@@ -241,7 +241,7 @@ def test_stream_logprobs_wait_for_the_text_their_tokens_carry(tiny):
 
 def test_stream_logprobs_ride_on_tool_call_chunks(tiny):
     from flare.runtime.request import RequestOutput
-    from flare.server.tool_calls import HermesParser
+    from flare.server.tool_parsers import HermesParser
 
     tok = tiny.tokenizer
     entry = TokenLogprob(5, -1.0)

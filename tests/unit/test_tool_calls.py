@@ -14,14 +14,9 @@ import json
 
 import pytest
 
-from flare.server.tool_calls import (
-    ContentEvent,
-    HermesParser,
-    Llama3JsonParser,
-    ToolCallEvent,
-    collect,
-)
+from flare.server.tool_calls import ContentEvent, ToolCallEvent, collect
 from flare.server.tool_formats import FORMATS, detect_format, get_format
+from flare.server.tool_parsers import HermesParser, Llama3JsonParser
 
 TOOLS = {"get_weather", "run_shell", "list_files", "search"}
 

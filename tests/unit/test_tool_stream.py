@@ -11,7 +11,7 @@ import json
 
 from flare.runtime.request import RequestOutput, RequestTimings
 from flare.server.streaming import ChunkBuilder, sse_stream
-from flare.server.tool_calls import HermesParser
+from flare.server.tool_parsers import HermesParser
 
 TOOLS = ["run_shell", "list_files"]
 TWO_CALLS = ('Sure.\n<tool_call>\n{"name": "run_shell", "arguments": {"command": '

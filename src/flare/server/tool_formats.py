@@ -1,6 +1,6 @@
 """Tool-call formats: how each model family writes calls (`flare serve --tool-parser`).
 
-A `ToolFormat` bundles, for one family: its streaming parser (`flare.server.tool_calls`),
+A `ToolFormat` bundles, for one family: its streaming parser (`flare.server.tool_parsers`),
 the text of a call as the model writes it (used to re-render earlier calls in a prompt),
 the Lark expression of one call (used by the forcing grammar, `flare.server.grammar`), and
 the system-prompt section of Flare's fallback for chat templates without tool support.
@@ -12,7 +12,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from flare.server.tool_calls import HermesParser, Llama3JsonParser, ToolCallParser
+from flare.server.tool_calls import ToolCallParser
+from flare.server.tool_parsers import HermesParser, Llama3JsonParser
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 

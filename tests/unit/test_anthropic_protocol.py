@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from flare.server.anthropic.chat_prompt import chat_messages
 from flare.server.anthropic.errors import api_error_message, error_body, messages_status
 from flare.server.anthropic.events import (
     StreamEvents,
@@ -23,7 +24,6 @@ from flare.server.anthropic.events import (
 from flare.server.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
-    chat_messages,
     validation_message,
 )
 from flare.server.api_error import ApiError

@@ -33,14 +33,14 @@ from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flare.runtime.request import RequestRejected
-from flare.runtime.request import GenerationRequest, RequestOutput
+from flare.runtime.request import GenerationRequest, RequestOutput, RequestRejected
+from flare.server.anthropic.chat_prompt import chat_messages
 from flare.server.anthropic.errors import (
+    api_error_message,
     api_error_response,
     error_body,
     error_response,
     messages_status,
-    api_error_message,
 )
 from flare.server.anthropic.events import (
     StreamEvents,
@@ -53,7 +53,6 @@ from flare.server.anthropic.events import (
 from flare.server.anthropic.protocol import (
     CountTokensRequest,
     MessagesRequest,
-    chat_messages,
     validation_message,
 )
 from flare.server.api_error import ApiError

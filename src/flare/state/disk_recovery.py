@@ -21,8 +21,8 @@ package's layout and are dropped as orphans. The outcome is logged (kept, reject
 dropped) and counted (`index_rebuilds`). The LRU order is rebuilt from the files' mtimes.
 An `OperationalError` (locked, unwritable, out of space) is not damage and still raises.
 
-`DiskRecovery` is mixed into `flare.state.disk_tier.DiskTier` (its folder, index, locks,
-counters and row helpers).
+`DiskRecovery` is a base of `flare.state.disk_tier.DiskTier` (its folder, locks and
+counters), over the row operations of `flare.state.disk_rows.DiskRows`.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ from pathlib import Path
 from flare.state import disk_records as rec
 from flare.state.disk_index import INDEX_NAME, Row, open_index
 from flare.state.disk_records import RecordError
+from flare.state.disk_rows import DiskRows, unlink
 
 REJECTED_KEEP = 32  # rejected files kept in rejected/ (oldest deleted first)
 
 log = logging.getLogger(__name__)
 
 
-class DiskRecovery:
+class DiskRecovery(DiskRows):
     """Rejections, index rebuild, crash clean-up and the integrity check of
     `flare.state.disk_tier.DiskTier` (module docstring)."""
 
@@ -198,11 +199,3 @@ def lock_folder(folder: Path) -> int:
         os.close(fd)
         raise RuntimeError(f"disk tier folder {folder} is in use by another process") from None
     return fd
-
-
-def unlink(path: Path) -> None:
-    """Delete `path`; nothing when it is already gone."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

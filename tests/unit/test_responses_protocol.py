@@ -91,7 +91,7 @@ def test_request_fields():
         "text": {"format": {"type": "json_schema", "name": "p",
                             "schema": {"type": "object"}}},
         "reasoning": {"effort": "low"}, "include": []})
-    assert req.tool_mode == "named" and req.forced_name == "f"
+    assert req.tool_mode == "named" and req.forced_tool_name == "f"
     assert req.answer_schema == {"type": "object"}
     assert req.chat_tools() == [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object"}}}]

@@ -1,15 +1,16 @@
 """Rules every surface's request schema shares: strict types (`StrictRequest`), tool names
-(`check_tool_name`, `check_distinct_tool_names`), JSON schemas (`check_schema`) and how a
-tool choice turns into a tool mode (`tool_mode`).
+(`check_tool_name`, `check_distinct_tool_names`), JSON schemas (`check_schema`), how a
+tool choice turns into a tool mode (`tool_mode`), the tool checks of chat's and Responses'
+requests (`ToolRequest`), and the refusal of a field Flare does not serve (`refused`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 ToolMode = Literal["none", "auto", "required", "named"]
 
@@ -19,6 +20,18 @@ class StrictRequest(BaseModel):
     are strict, as OpenAI's API is: "5" is not coerced to 5 nor "yes" to True."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def refused(*fields: str, message: str, when: Callable[[Any], bool] = bool) -> Any:
+    """A field validator, to assign in a request model's body, that refuses `fields`
+    whenever `when(value)` holds (default: the value is truthy), with `message`: a field
+    the schema accepts so that it can say why Flare does not serve it (a 400 naming it)."""
+    def check(cls: type, v: Any) -> Any:
+        if when(v):
+            raise ValueError(message)
+        return v
+
+    return field_validator(*fields)(classmethod(check))
 
 
 _TOOL_NAME_CHARS = re.compile(r"[A-Za-z0-9_-]+")
@@ -97,3 +110,50 @@ def check_tool_choice(tool_choice: Any, names: Sequence[str], forced_name: str |
     if forced_name is not None and forced_name not in names:
         raise ValueError(f"tool_choice names function {forced_name!r}, which is not in tools "
                          f"({', '.join(names) or 'none given'})")
+
+
+class ToolRequest(StrictRequest):
+    """Base of a request with `tools` and `tool_choice` fields (chat's and Responses'
+    shape; the subclass declares both, `tools` first): tool names are distinct, a choice
+    names a listed tool, and `tool_mode` / `forced_tool_name` say how tools are used.
+
+    A subclass names its named-choice model (`named_choice`) and where a tool and a named
+    choice keep the function's name (`tool_name`, `choice_name`).
+    """
+
+    named_choice: ClassVar[type]
+
+    @staticmethod
+    def tool_name(tool: Any) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def choice_name(choice: Any) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def _forced(cls, choice: Any) -> str | None:
+        return cls.choice_name(choice) if isinstance(choice, cls.named_choice) else None
+
+    @field_validator("tools", check_fields=False)
+    @classmethod
+    def _distinct_names(cls, v: list[Any] | None) -> list[Any] | None:
+        check_distinct_tool_names([cls.tool_name(t) for t in v or ()])
+        return v or None
+
+    @field_validator("tool_choice", check_fields=False)
+    @classmethod
+    def _choice_needs_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        names = [cls.tool_name(t) for t in info.data.get("tools") or ()]
+        check_tool_choice(v, names, cls._forced(v))
+        return v
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        """How tools are used (`tool_mode`)."""
+        return tool_mode(self.tools, self.tool_choice, self.named_choice)
+
+    @property
+    def forced_tool_name(self) -> str | None:
+        """The function a named choice forces, else None."""
+        return self._forced(self.tool_choice)

@@ -220,7 +220,7 @@ def responses_router(engine: Any, gen: GenerationCore, settings: Any) -> APIRout
                  if tools else [])
         parallel = body.parallel_tool_calls is not False
         try:
-            constraints = await gen.constraints(specs, mode, only=body.forced_name,
+            constraints = await gen.constraints(specs, mode, only=body.forced_tool_name,
                                                 parallel=parallel, answer=body.answer_schema,
                                                 n=1)
         except ApiError as e:

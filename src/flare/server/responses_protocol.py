@@ -28,14 +28,7 @@ from pydantic import Field, field_validator
 
 from flare.server.api_error import ApiError, ParamError
 from flare.server.openai.messages import FunctionDefinition
-from flare.server.request_rules import (
-    StrictRequest,
-    ToolMode,
-    check_distinct_tool_names,
-    check_schema,
-    check_tool_choice,
-    tool_mode,
-)
+from flare.server.request_rules import StrictRequest, ToolRequest, check_schema, refused
 
 RESPONSE_ID = r"resp_[0-9a-f]{32}"
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -82,7 +75,7 @@ class TextConfig(StrictRequest):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(StrictRequest):
+class ResponsesRequest(ToolRequest):
     """POST /v1/responses body (fields Flare reads; others are ignored, as agents send
     many: `reasoning`, `include`, `truncation`, `prompt_cache_key`, `user`, ...).
 
@@ -108,20 +101,10 @@ class ResponsesRequest(StrictRequest):
     conversation: Any = None
     prompt: Any = None
 
-    @field_validator("background")
-    @classmethod
-    def _no_background(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("background responses are not supported; leave it false")
-        return v
-
-    @field_validator("conversation", "prompt")
-    @classmethod
-    def _unsupported(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("not supported by this server; send input (and "
-                             "previous_response_id) instead")
-        return v
+    _no_background = refused("background", message=(
+        "background responses are not supported; leave it false"))
+    _unsupported = refused("conversation", "prompt", when=lambda v: v is not None, message=(
+        "not supported by this server; send input (and previous_response_id) instead"))
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -133,28 +116,16 @@ class ResponsesRequest(StrictRequest):
                                  f"this server runs function tools only")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _distinct_names(cls, v: list[ResponseFunctionTool] | None):
-        check_distinct_tool_names([t.name for t in v or ()])
-        return v or None
+    # tool checks, `tool_mode` and `forced_tool_name`: `ToolRequest`'s
+    named_choice = NamedFunctionChoice
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice_needs_tools(cls, v: Any, info: Any) -> Any:
-        names = [t.name for t in info.data.get("tools") or ()]
-        check_tool_choice(v, names, v.name if isinstance(v, NamedFunctionChoice) else None)
-        return v
+    @staticmethod
+    def tool_name(tool: ResponseFunctionTool) -> str:
+        return tool.name
 
-    @property
-    def tool_mode(self) -> ToolMode:
-        """As chat's (`request_rules.tool_mode`)."""
-        return tool_mode(self.tools, self.tool_choice, NamedFunctionChoice)
-
-    @property
-    def forced_name(self) -> str | None:
-        return self.tool_choice.name if isinstance(self.tool_choice,
-                                                   NamedFunctionChoice) else None
+    @staticmethod
+    def choice_name(choice: NamedFunctionChoice) -> str:
+        return choice.name
 
     @property
     def answer_schema(self) -> dict[str, Any] | None:

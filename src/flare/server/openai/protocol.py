@@ -32,14 +32,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from flare.runtime.request import SamplingParams
 from flare.server.api_error import ParamError
 from flare.server.openai.messages import ChatMessage, NamedToolChoice, Tool
-from flare.server.request_rules import (
-    StrictRequest,
-    ToolMode,
-    check_distinct_tool_names,
-    check_schema,
-    check_tool_choice,
-    tool_mode,
-)
+from flare.server.request_rules import StrictRequest, ToolRequest, check_schema, refused
 from flare.state.sessions import SessionError, check_name
 
 MAX_STOP_SEQUENCES = 4
@@ -193,7 +186,7 @@ class _SamplingRequest(StrictRequest):
         )
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ToolRequest):
     """POST /v1/chat/completions body.
 
     `max_completion_tokens` is the newer name of `max_tokens`; if both are given they must
@@ -242,26 +235,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _distinct_names(cls, v: list[Tool] | None) -> list[Tool] | None:
-        check_distinct_tool_names([t.function.name for t in v or ()])
-        return v or None
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _choice_needs_tools(cls, v: Any, info: ValidationInfo) -> Any:
-        names = [t.function.name for t in info.data.get("tools") or ()]
-        check_tool_choice(v, names, v.function.name if isinstance(v, NamedToolChoice) else None)
-        return v
-
-    @field_validator("functions", "function_call")
-    @classmethod
-    def _deprecated_functions(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("the deprecated functions/function_call are not supported; "
-                             "use tools and tool_choice")
-        return v
+    _deprecated_functions = refused("functions", "function_call", message=(
+        "the deprecated functions/function_call are not supported; use tools and "
+        "tool_choice"))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -273,15 +249,16 @@ class ChatCompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @property
-    def tool_mode(self) -> ToolMode:
-        """How tools are used (`request_rules.tool_mode`)."""
-        return tool_mode(self.tools, self.tool_choice, NamedToolChoice)
+    # tool checks, `tool_mode` and `forced_tool_name`: `ToolRequest`'s
+    named_choice = NamedToolChoice
 
-    @property
-    def forced_tool_name(self) -> str | None:
-        return self.tool_choice.function.name if isinstance(self.tool_choice,
-                                                            NamedToolChoice) else None
+    @staticmethod
+    def tool_name(tool: Tool) -> str:
+        return tool.function.name
+
+    @staticmethod
+    def choice_name(choice: NamedToolChoice) -> str:
+        return choice.function.name
 
 
 class CompletionRequest(_SamplingRequest):
@@ -309,19 +286,8 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("suffix")
-    @classmethod
-    def _suffix_unsupported(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("suffix is not supported")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_unsupported(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported yet")
-        return v
+    _suffix_unsupported = refused("suffix", message="suffix is not supported")
+    _echo_unsupported = refused("echo", message="echo is not supported yet")
 
     @field_validator("best_of")
     @classmethod

@@ -53,6 +53,12 @@ class ToolFormat:
         return self.separator.join(self.call_text(n, a) for n, a in calls)
 
     def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
+        """The fallback prompt's tool section: each tool's JSON, one a line, inside the
+        format's instructions (`instructions`)."""
+        return self.instructions("\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+    def instructions(self, signatures: str) -> str:
+        """How to call the tools whose `signatures` (JSON lines) it names."""
         raise NotImplementedError
 
 
@@ -68,13 +74,12 @@ class HermesFormat(ToolFormat):
     def call_head(self, name: str) -> str:
         return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": '
 
-    def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
-        sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    def instructions(self, signatures: str) -> str:
         return (
             "# Tools\n\n"
             "You can call functions to help with the user's request. Their signatures are "
             "inside <tools></tools> tags:\n"
-            f"<tools>\n{sigs}\n</tools>\n\n"
+            f"<tools>\n{signatures}\n</tools>\n\n"
             "To call a function, answer with one block per call, a JSON object with the "
             "function's name and its arguments inside <tool_call></tool_call> tags:\n"
             '<tool_call>\n{"name": "<function name>", "arguments": {<arguments>}}\n'
@@ -92,11 +97,10 @@ class Llama3JsonFormat(ToolFormat):
     def call_head(self, name: str) -> str:
         return f'{{"name": {json.dumps(name)}, "parameters": '
 
-    def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
-        sigs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    def instructions(self, signatures: str) -> str:
         return (
             "You have access to the following functions:\n"
-            f"{sigs}\n\n"
+            f"{signatures}\n\n"
             "To call functions, answer with only JSON of the form "
             '{"name": "<function name>", "parameters": {<arguments>}}, '
             'several calls separated by "; ". Results come back inside '

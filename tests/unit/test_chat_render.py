@@ -30,11 +30,6 @@ STRICT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer):
-    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
-
-
 def _msgs(*pairs):
     return [{"role": r, "content": c} for r, c in pairs]
 

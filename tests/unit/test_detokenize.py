@@ -22,11 +22,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer):
-    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
-
-
 def _stream(tokenizer, ids, **kwargs) -> list[str]:
     detok = IncrementalDetokenizer(tokenizer, **kwargs)
     pieces = [detok.push(i) for i in ids]

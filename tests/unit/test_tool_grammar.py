@@ -34,11 +34,6 @@ TOOLS = [("get_weather", WEATHER), ("list_files", None)]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer):
-    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
-
-
-@pytest.fixture(scope="module")
 def compiler(tokenizer):
     return GrammarCompiler(tokenizer, [EOS])
 

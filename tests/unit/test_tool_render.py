@@ -41,11 +41,6 @@ RAISING_TOOL_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer):
-    return smollm2_tokenizer  # tests/conftest.py: the embedded model's tokenizer
-
-
 def test_smollm2_template_has_no_tool_support(tokenizer):
     assert not supports_tools(tokenizer)
     assert supports_tools(TemplateTokenizer(tokenizer, TOOL_TEMPLATE))

@@ -29,18 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("FLARE_FUSED_OPS", "0")  # CPU reference: the torch path, no build
 
+import httpx  # noqa: E402
 import torch  # noqa: E402
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):",
@@ -226,14 +226,10 @@ def bench(engine: Any, label: str, vocab: int, max_seq_len: int, quick: bool = F
                   f"graphs held {s['decode_graphs_captured']}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_once(pkg: Path, device: str, log_path: Path, timeout_s: float = 120) -> None:
     """`flare serve PKG --device DEVICE` on 127.0.0.1, one chat request, then SIGTERM."""
+    from flare.serve_child import ServerStartError, free_port, stop_process, wait_healthy
+
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "flare.cli", "serve", str(pkg), "--host", "127.0.0.1",
@@ -242,43 +238,24 @@ def serve_once(pkg: Path, device: str, log_path: Path, timeout_s: float = 120) -
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"flare serve exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no /health answer within {timeout_s:.0f} s")
-            time.sleep(0.5)
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
-            model = json.loads(r.read())["data"][0]["id"]
-        body = json.dumps({"model": model, "max_tokens": 8, "temperature": 0,
-                           "messages": [{"role": "user", "content": "Say hello."}]}).encode()
-        req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            answer = json.loads(r.read())
+        wait_healthy(proc, url, log_path, timeout_s)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello."}]})
+        answer = r.raise_for_status().json()
         n = answer["usage"]["completion_tokens"]
-        with urllib.request.urlopen(f"{url}/debug/state", timeout=10) as r:
-            state = json.loads(r.read())
+        state = httpx.get(f"{url}/debug/state", timeout=10).json()
         say("", f"serve {device}: chat answered with {n} tokens "
                 f"({answer['choices'][0]['finish_reason']}); graph replays "
                 f"{state.get('decode_graph_replays_total')}, graphs held "
                 f"{state.get('decode_graphs_captured')}", ok=n > 0)
     except Exception as exc:
-        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        say("", f"serve {device}: {exc}\n{tail}", ok=False)
+        tail = "" if isinstance(exc, ServerStartError) or not log_path.exists() \
+            else "\n" + log_path.read_text(errors="replace")[-2000:]
+        say("", f"serve {device}: {exc}{tail}", ok=False)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, ((signal.SIGTERM, 30.0),))
 
 
 def check_model(name: str, pkg: Path, device: str, tokenizer: Any,

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from soak_report import FAILURE_PREFIXES, report
+from soak_report import FAILURE_PREFIXES, Record, report
 
 KINDS = {"stream": 25, "stream_abort": 20, "chat": 20, "chat_abort": 10, "fork": 8,
          "completion": 5, "bad": 12}
@@ -52,15 +51,6 @@ FORK_PREFIX = [
     {"role": "user", "content": "Here is a function:\n\ndef add(a, b):\n    return a + b\n" * 6},
     {"role": "assistant", "content": "It adds two numbers and returns the sum."},
 ]
-
-
-@dataclass
-class Record:
-    kind: str
-    outcome: str  # ok, aborted, refused (expected 4xx), or a failure label
-    latency_s: float
-    ttft_s: float | None = None
-    detail: str = ""
 
 
 @dataclass
@@ -324,7 +314,8 @@ async def run(args: argparse.Namespace) -> int:
         elapsed = time.monotonic() - t0
         after = wait_idle(url, 30)
         time.sleep(args.rss_period)  # one more sample, after the traffic
-    text, figures, failures = report(soak, rss, before, after, elapsed, args.rss_bound_mb,
+    text, figures, failures = report(soak.records, soak.url, soak.model, rss.samples, before,
+                                     after, elapsed, args.rss_bound_mb,
                                      min(args.warmup, elapsed / 2))
     print(text)
     if args.json:

@@ -4,10 +4,19 @@ server's RSS over time and the KV pool before and after, with the checks that fa
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from soak import RssSampler, Soak
+
+@dataclass
+class Record:
+    """One request of the soak, as the report counts it."""
+
+    kind: str
+    outcome: str  # ok, aborted, refused (expected 4xx), or a failure label
+    latency_s: float
+    ttft_s: float | None = None
+    detail: str = ""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -22,39 +31,44 @@ FAILURE_PREFIXES = ("http_5", "stream_server_error", "stream_error", "client_",
                     "refused_without", "stream_cut")
 
 
-def report(s: Soak, rss: RssSampler, before: dict, after: dict, elapsed_s: float,
-           rss_bound_mb: float, warmup_s: float) -> tuple[str, dict, list[str]]:
+def report(records: list[Record], url: str, model: str,
+           rss_samples: list[tuple[float, int, int]], before: dict, after: dict,
+           elapsed_s: float, rss_bound_mb: float, warmup_s: float
+           ) -> tuple[str, dict, list[str]]:
     """The printed report, its figures as a dict, and the failed checks.
+
+    `rss_samples` are (seconds since the start, server RSS, host tier bytes); `before` and
+    `after` the server's /debug/state around the traffic.
 
     The RSS check compares the end with the first sample after `warmup_s` (first requests
     allocate the runtime's working memory once) and discounts what the host tier holds
     more at the end (its growth up to its budget is by design)."""
     mb = 1024 * 1024
-    by = Counter((r.kind, r.outcome) for r in s.records)
-    outcomes = Counter(r.outcome for r in s.records)
-    lines = [f"soak: {len(s.records)} requests in {elapsed_s:.0f} s against {s.url} "
-             f"({s.model})", "", "requests by kind and outcome:"]
+    by = Counter((r.kind, r.outcome) for r in records)
+    outcomes = Counter(r.outcome for r in records)
+    lines = [f"soak: {len(records)} requests in {elapsed_s:.0f} s against {url} "
+             f"({model})", "", "requests by kind and outcome:"]
     for (kind, outcome), n in sorted(by.items()):
         lines.append(f"  {kind:<12} {outcome:<28} {n:>6}")
     lines.append("outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     disconnects = outcomes.get("aborted", 0)
     lines.append(f"client disconnects: {disconnects} "
-                 f"({100 * disconnects / max(1, len(s.records)):.0f}% of requests)")
+                 f"({100 * disconnects / max(1, len(records)):.0f}% of requests)")
 
     lines += ["", "latency of completed requests (s):  p50    p99    n"]
     lat: dict[str, list[float]] = defaultdict(list)
-    for r in s.records:
+    for r in records:
         if r.outcome == "ok":
             lat[r.kind].append(r.latency_s)
             lat["all"].append(r.latency_s)
     for kind in ["all", *sorted(k for k in lat if k != "all")]:
         v = lat[kind]
         lines.append(f"  {kind:<32} {pct(v, .5):6.2f} {pct(v, .99):6.2f} {len(v):5}")
-    ttft = [r.ttft_s for r in s.records if r.kind == "stream" and r.ttft_s is not None]
+    ttft = [r.ttft_s for r in records if r.kind == "stream" and r.ttft_s is not None]
     lines.append(f"  {'stream TTFT':<32} {pct(ttft, .5):6.2f} {pct(ttft, .99):6.2f} {len(ttft):5}")
 
     figures: dict[str, Any] = {
-        "requests": len(s.records), "elapsed_s": round(elapsed_s, 1),
+        "requests": len(records), "elapsed_s": round(elapsed_s, 1),
         "outcomes": dict(outcomes), "by_kind": {f"{k}/{o}": n for (k, o), n in by.items()},
         "disconnects": disconnects,
         "latency_p50_s": pct(lat["all"], .5), "latency_p99_s": pct(lat["all"], .99),
@@ -63,22 +77,22 @@ def report(s: Soak, rss: RssSampler, before: dict, after: dict, elapsed_s: float
     failures = [f"{n} request(s) with outcome {o}" for o, n in sorted(outcomes.items())
                 if o.startswith(FAILURE_PREFIXES)]
 
-    if rss.samples:
-        values = [v for _, v, _ in rss.samples]
+    if rss_samples:
+        values = [v for _, v, _ in rss_samples]
         start, peak, end = values[0], max(values), values[-1]
-        warm = next((x for x in rss.samples if x[0] >= warmup_s), rss.samples[-1])
-        growth = (end - warm[1] - (rss.samples[-1][2] - warm[2])) / mb
-        step = max(1, len(rss.samples) // 10)
-        series = ", ".join(f"{t:.0f}s {v / mb:.0f}" for t, v, _ in rss.samples[::step])
+        warm = next((x for x in rss_samples if x[0] >= warmup_s), rss_samples[-1])
+        growth = (end - warm[1] - (rss_samples[-1][2] - warm[2])) / mb
+        step = max(1, len(rss_samples) // 10)
+        series = ", ".join(f"{t:.0f}s {v / mb:.0f}" for t, v, _ in rss_samples[::step])
         lines += ["", f"server RSS (MiB): start {start / mb:.0f}, max {peak / mb:.0f}, "
                       f"end {end / mb:.0f}; after the {warmup_s:g} s warm-up "
                       f"{warm[1] / mb:.0f}, growth since {growth:+.0f} "
-                      f"(host tier now {rss.samples[-1][2] / mb:.0f})",
+                      f"(host tier now {rss_samples[-1][2] / mb:.0f})",
                   f"  over time: {series}"]
         figures |= {"rss_start_mib": round(start / mb), "rss_max_mib": round(peak / mb),
                     "rss_end_mib": round(end / mb), "rss_after_warmup_mib": round(warm[1] / mb),
                     "rss_growth_after_warmup_mib": round(growth),
-                    "host_tier_end_mib": round(rss.samples[-1][2] / mb)}
+                    "host_tier_end_mib": round(rss_samples[-1][2] / mb)}
         if growth > rss_bound_mb:
             failures.append(f"RSS grew {growth:.0f} MiB after the warm-up "
                             f"(bound {rss_bound_mb:g})")

@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import _prompt, flare_decode, flare_prefill
+from kquant_files import default_out_dir, kquant_file
 from peers import SHORT_PROMPT, interleaved_samples, llama_cpp_measures
 
-from flare.cache_dir import default_cache_dir
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
 from flare.models.quant.formats import default_weight_format
@@ -45,28 +45,6 @@ from flare.models.quant.sizes import serving_weight_bytes
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
-
-FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
-          "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
-
-
-def write_kquant(src: Path, out: Path, kind: str, threads: int) -> str | None:
-    """`src` requantized to `kind` at `out` by llama.cpp's quantizer; why not, or None."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return "llama-cpp-python is not installed: no quantizer to write the file"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, FTYPES[kind])
-    params.allow_requantize = True
-    params.nthread = threads
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-    if rc != 0:
-        return f"llama_model_quantize returned {rc}"
-    tmp.rename(out)
-    return None
 
 
 def main() -> None:
@@ -83,7 +61,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     n_dec = 24 if args.quick else args.decode_tokens
     lengths = (512,) if args.quick else (512, 2048)
-    out_dir = args.out_dir or default_cache_dir() / "bench-kquant"
+    out_dir = args.out_dir or default_out_dir()
     src = embedded_model_path()
     rows = ["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in lengths]
     labels = {"decode_b1": "decode batch 1, tok/s", "decode_b8": "decode 8 streams, tok/s",
@@ -91,12 +69,10 @@ def main() -> None:
     print(f"{args.threads} threads; torch {torch.__version__}; load average "
           f"{os.getloadavg()[0]:.1f} at start; medians of {args.repeat} rounds")
     for kind in [t for t in args.types.split(",") if t]:
-        path = out_dir / f"{src.stem.rsplit('.', 1)[0]}.{kind}.gguf"
-        if not path.is_file():
-            why = write_kquant(src, path, kind, args.threads)
-            if why is not None:
-                print(f"{kind}: not measured ({why})")
-                continue
+        path = kquant_file(src, kind, args.threads, out_dir)
+        if isinstance(path, str):
+            print(f"{kind}: not measured ({path})")
+            continue
         ckpt = load_checkpoint(path)
         fmt = default_weight_format(dtype="float32", device="cpu", recipe="llama",
                                     source=ckpt.source)

@@ -68,6 +68,34 @@ void prep_x(const float* x, int64_t B, int64_t K, bool permute, float* xp, float
   }
 }
 
+// One block of 32 dequantized weights (w0..w3: 8 values each, in the order the rows of x
+// are laid out in) scaled by d and accumulated into R rows of x. One row: scale the
+// block's dot product (5 FP ops per block). Several rows: scale the codes once, then 4
+// FMAs per row; a block's partial sum starts from zero, so the chain through acc[r] is
+// one add per block, not four FMAs (the loop is latency-bound otherwise).
+template <int R>
+inline void accumulate_block(__m256 w0, __m256 w1, __m256 w2, __m256 w3, __m256 d,
+                             const float* x, int64_t K, __m256* acc) {
+  if (R == 1) {
+    __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(x));
+    t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), t);
+    t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 16), t);
+    t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x + 24), t);
+    acc[0] = _mm256_fmadd_ps(d, t, acc[0]);
+  } else {
+    const __m256 s0 = _mm256_mul_ps(d, w0), s1 = _mm256_mul_ps(d, w1);
+    const __m256 s2 = _mm256_mul_ps(d, w2), s3 = _mm256_mul_ps(d, w3);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K;
+      __m256 a = _mm256_mul_ps(s0, _mm256_loadu_ps(xr));
+      a = _mm256_fmadd_ps(s1, _mm256_loadu_ps(xr + 8), a);
+      a = _mm256_fmadd_ps(s2, _mm256_loadu_ps(xr + 16), a);
+      a = _mm256_fmadd_ps(s3, _mm256_loadu_ps(xr + 24), a);
+      acc[r] = _mm256_add_ps(acc[r], a);
+    }
+  }
+}
+
 template <int R>
 inline void q4_row(const uint8_t* c, const float* sc, const float* mn, const float* xp,
                    const float* xs, int64_t K, float* out, int64_t out_stride) {
@@ -86,26 +114,7 @@ inline void q4_row(const uint8_t* c, const float* sc, const float* mn, const flo
     const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(raw, sh1), mask));
     const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(raw, sh2), mask));
     const __m256 w3 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(raw, sh3), mask));
-    const __m256 d = _mm256_broadcast_ss(sc + kb);
-    if (R == 1) {  // one row: scale the block's dot product (5 FP ops per block)
-      const float* xr = xp + kb * QK;
-      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
-      t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
-      acc[0] = _mm256_fmadd_ps(d, t, acc[0]);
-    } else {  // several rows: scale the codes once, then 4 FMAs per row
-      const __m256 s0 = _mm256_mul_ps(d, w0), s1 = _mm256_mul_ps(d, w1);
-      const __m256 s2 = _mm256_mul_ps(d, w2), s3 = _mm256_mul_ps(d, w3);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xp + r * K + kb * QK;
-        __m256 a = _mm256_mul_ps(s0, _mm256_loadu_ps(xr));
-        a = _mm256_fmadd_ps(s1, _mm256_loadu_ps(xr + 8), a);
-        a = _mm256_fmadd_ps(s2, _mm256_loadu_ps(xr + 16), a);
-        a = _mm256_fmadd_ps(s3, _mm256_loadu_ps(xr + 24), a);
-        acc[r] = _mm256_add_ps(acc[r], a);
-      }
-    }
+    accumulate_block<R>(w0, w1, w2, w3, _mm256_broadcast_ss(sc + kb), xp + kb * QK, K, acc);
   }
   for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + dot(mn, xs + r * nb, nb);
 }
@@ -126,28 +135,7 @@ inline void q8_row(const int8_t* c, const float* sc, const float* x, int64_t K, 
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + 16))));
     const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + 24))));
-    const __m256 d = _mm256_broadcast_ss(sc + kb);
-    if (R == 1) {
-      const float* xr = x + kb * QK;
-      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
-      t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
-      acc[0] = _mm256_fmadd_ps(d, t, acc[0]);
-    } else {
-      const __m256 s0 = _mm256_mul_ps(d, w0), s1 = _mm256_mul_ps(d, w1);
-      const __m256 s2 = _mm256_mul_ps(d, w2), s3 = _mm256_mul_ps(d, w3);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = x + r * K + kb * QK;
-        // a block's partial sum starts from zero, so the chain through acc[r] is one
-        // add per block, not four FMAs (the loop is latency-bound otherwise)
-        __m256 a = _mm256_mul_ps(s0, _mm256_loadu_ps(xr));
-        a = _mm256_fmadd_ps(s1, _mm256_loadu_ps(xr + 8), a);
-        a = _mm256_fmadd_ps(s2, _mm256_loadu_ps(xr + 16), a);
-        a = _mm256_fmadd_ps(s3, _mm256_loadu_ps(xr + 24), a);
-        acc[r] = _mm256_add_ps(acc[r], a);
-      }
-    }
+    accumulate_block<R>(w0, w1, w2, w3, _mm256_broadcast_ss(sc + kb), x + kb * QK, K, acc);
   }
   for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]);
 }

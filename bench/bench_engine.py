@@ -54,13 +54,21 @@ def _run(engine: Engine, reqs: list[GenerationRequest]) -> tuple[float, dict[str
 
 
 def flare_engine(ckpt, weights: str, *, max_seq_len: int = 4096, max_num_seqs: int = 8,
-                 max_batch_tokens: int = 512, prefix_cache: bool = False) -> Engine:
+                 max_batch_tokens: int = 512, prefix_cache: bool = False,
+                 stored: dict[str, torch.Tensor] | None = None,
+                 num_pages: int | None = None) -> Engine:
     """Flare's engine on the checkpoint's weights in format `weights` ("fp16", "full",
-    "q4", "q4x8", ...), prefix cache off by default (every prompt is computed in full)."""
+    "q4", "q4x8", "kx8", ...), prefix cache off by default (every prompt is computed in
+    full). `stored`: the tensors already in that format (`convert_tensors`' output; the
+    engine only reads them, so two engines may share them), else converted here as
+    `flare prepare` does, from a GGUF's own blocks where the format holds them.
+    `num_pages`: the KV pool's pages (default: `max_num_seqs` full-length sequences,
+    1.5 GiB for the embedded model)."""
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                     max_batch_tokens=max_batch_tokens)
-    return Engine(ckpt.config, plan, convert_tensors(ckpt.tensors, weights), ckpt.tokenizer,
-                  prefix_cache=prefix_cache)
+                     max_batch_tokens=max_batch_tokens, num_pages=num_pages)
+    if stored is None:
+        stored = convert_tensors(ckpt.tensors, weights, ckpt.blocks)
+    return Engine(ckpt.config, plan, stored, ckpt.tokenizer, prefix_cache=prefix_cache)
 
 
 def flare_prefill(engine: Engine, ids: list[int]) -> float:

@@ -1,27 +1,43 @@
 """Flare beside its local peers and this machine's limits, on the embedded model: one table.
 
-Columns: Flare's engine (prefix cache off) in each weight format asked for; transformers'
-`generate` on the same fp32 weights; llama.cpp through llama-cpp-python on the very same
-GGUF file, when it is importable. Rows: decode tokens/s at batch 1, aggregate decode
-tokens/s at 8 concurrent streams, prefill tokens/s on 512- and 2,048-token prompts, and
-the time to first token when a cached 2,048-token prompt is extended by 50 new tokens
-(an agent's next turn: Flare's prefix cache; llama.cpp's own KV cache, which keeps the
-prompt it evaluated last). Each throughput is followed by its fraction of the machine's
-limit:
+Columns: Flare's engine (prefix cache off) in each weight format asked for (`*` marks the
+default format, what `flare prepare` picks); transformers' `generate` on the same fp32
+weights; llama.cpp through llama-cpp-python on the very same GGUF file, when it is
+importable. Rows: decode tokens/s at batch 1, aggregate decode tokens/s at 8 concurrent
+streams, prefill tokens/s on 512- and 2,048-token prompts, and the time to first token
+when a cached 2,048-token prompt is extended by 50 new tokens (an agent's next turn:
+Flare's prefix cache; llama.cpp's own KV cache, which keeps the prompt it evaluated last).
+
+Then the same rows for Flare's default format and llama.cpp on K-quant files (Q4_K_M and
+Q6_K, `--kquants`) that llama.cpp's quantizer writes from the embedded GGUF
+(`kquant_files`, kept in Flare's cache folder), with the weights each format holds
+against the file's size; and the 20-turn agent session (`bench_agent_session`): median
+TTFT over turns 2-20 of `flare serve` on the default package (prefix cache on) beside
+llama.cpp's server with its prompt cache (`--cache true`), both started here, the turns
+bounded by `--session-budget` seconds.
+
+Each throughput is followed by its share of the machine's limit (`machine_limits`,
+measured after the rounds, printed with the CPU model, its instruction-set flags and
+Flare's kernel variant):
 
 - decode: bytes read per step (the weights in the column's storage, plus the KV cache of
-  the context) x steps/s, over the measured memory bandwidth;
-- prefill: FLOPs per token (2 x linear parameters + attention over the causal context)
-  x tokens/s, over the measured fp32 GEMM rate (torch.mm of 2048 x 2048 matrices).
+  the context) x steps/s, over the measured read bandwidth;
+- prefill: tokens/s x the time a token takes at the peaks: its linear FLOPs (2 x linear
+  parameters) at the int8 kernel peak for a column whose products run on int8
+  activations (q4x8, q8x8, kx8, llama.cpp's quantized types), else at the fp32 peak,
+  plus its attention FLOPs (over the causal context) at the fp32 peak.
 
-Nothing is installed here. llama.cpp's Python binding: `pip install llama-cpp-python`
-(a source build, about 11 minutes on 2 cores); transformers is a dependency of Flare.
-Every column runs with the same thread count. Figures drift on a shared machine, so
-`--repeat` rounds run every measurement of every column in turn and the table shows the
-medians: compare the columns of one run.
+Nothing is installed here. llama.cpp's Python binding: `pip install
+'llama-cpp-python[server]'` (a source build, about 11 minutes on 2 cores); transformers
+is a dependency of Flare. Every column runs with the same thread count. Figures drift on
+a shared machine, so `--repeat` rounds run every measurement of every column in turn and
+the tables show the medians: compare the columns of one run. `--quick` (a smoke, about 3
+minutes): one round, 24 decode tokens, no 2,048-token rows, a 4-turn session.
 
     .venv/bin/python bench/peers.py [--threads 2] [--decode-tokens 64] [--weights fp16,full,q4,q4x8]
         [--repeat 3] [--quick] [--skip-transformers] [--skip-llama-cpp]
+        [--kquants q4_k_m,q6_k | --skip-kquants] [--session-turns 20]
+        [--session-budget 600] [--skip-session]
 """
 
 from __future__ import annotations
@@ -32,22 +48,38 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import (_prompt, _run, flare_decode, flare_engine,  # noqa: E402
-                          flare_prefill, hf_decode, hf_model, hf_prefill)
+from bench_engine import (
+    _prompt,
+    _run,
+    flare_decode,
+    flare_engine,
+    flare_prefill,
+    hf_decode,
+    hf_model,
+    hf_prefill,
+)
+from kquant_files import kind_of, kquant_file, weight_types
+from machine_limits import Limits, measure_limits
 
-from flare.loading.checkpoint import load_checkpoint  # noqa: E402
-from flare.loading.embedded import embedded_model_path  # noqa: E402
-from flare.runtime.request import GenerationRequest, SamplingParams  # noqa: E402
+from flare.loading.checkpoint import load_checkpoint
+from flare.loading.embedded import embedded_model_path
+from flare.models.quant.formats import INT8_FORMATS, default_weight_format
+from flare.models.quant.sizes import serving_weight_bytes
+from flare.models.quant.storage import convert_tensors
+from flare.runtime.request import GenerationRequest, SamplingParams
 
 SHORT_PROMPT = 32  # tokens before decode starts
 EXTEND_BASE, EXTEND_NEW = 2048, 50  # the cached prompt, and the turn that extends it
+MIB = 2 ** 20
 
 
 def new_tokens(round_: int, n: int, vocab: int) -> list[int]:
@@ -55,37 +87,6 @@ def new_tokens(round_: int, n: int, vocab: int) -> list[int]:
     computed, not found in the cache), the same in every column for one round."""
     g = torch.Generator().manual_seed(round_)
     return torch.randint(1000, vocab, (n,), generator=g).tolist()
-
-
-# ---- machine limits ---------------------------------------------------------------------
-
-def gemm_gflops(n: int = 2048, reps: int = 3) -> float:
-    """fp32 GFLOP/s of torch.mm on n x n matrices (median of `reps`)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times) / 1e9
-
-
-def bandwidth_gbs(nbytes: int = 256 << 20, reps: int = 5) -> tuple[float, float]:
-    """(copy, read) GB/s over a buffer of `nbytes`: copy counts bytes read plus written
-    (STREAM's convention), read is a sum over the buffer. Medians of `reps`."""
-    src = torch.empty(nbytes // 4).uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copies, reads = [], []
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        src.sum()
-        reads.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(copies) / 1e9, nbytes / statistics.median(reads) / 1e9
 
 
 # ---- what one token costs -----------------------------------------------------------------
@@ -126,6 +127,16 @@ def flare_bytes_per_param(cfg, fmt: str) -> float:
     layer_block, out_block = (24, 36) if fmt == "q4" else (20, 34)
     layers, out = linear_params(cfg)
     return (layers * layer_block / 32 + out * out_block / 32) / (layers + out)
+
+
+def prefill_share(cfg, n: int, tokens_per_s: float, linear_ops: float, fp32_ops: float
+                  ) -> float:
+    """Share of the machine's limit an n-token prefill at `tokens_per_s` reaches: the
+    seconds a token takes at the peaks (its 2 x linear parameters at `linear_ops`, its
+    attention FLOPs at `fp32_ops`, both per second) x tokens/s."""
+    layers, _ = linear_params(cfg)
+    attention = prefill_flops_per_token(cfg, n) - 2 * layers
+    return tokens_per_s * (2 * layers / linear_ops + attention / fp32_ops)
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------
@@ -183,7 +194,7 @@ def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
     return out
 
 
-# ---- the table ------------------------------------------------------------------------------
+# ---- the rounds ------------------------------------------------------------------------------
 
 def interleaved_samples(measures: dict, rows: list[str], repeat: int
                         ) -> dict[tuple[str, str], list[float]]:
@@ -199,6 +210,179 @@ def interleaved_samples(measures: dict, rows: list[str], repeat: int
     return samples
 
 
+# ---- the columns ----------------------------------------------------------------------------
+
+@dataclass
+class Setup:
+    """What every column is measured on: prompts of `ids_of(n)` tokens (the embedded
+    model's tokenizer; the K-quant files share it), `threads`, `n_dec` decoded tokens,
+    prefill `lengths`, whether the extend row runs, the vocabulary the suffixes draw from."""
+
+    ids_of: Callable[[int], list[int]]
+    threads: int
+    n_dec: int
+    lengths: tuple[int, ...]
+    extend: bool
+    vocab: int
+
+    def suffixes(self) -> Iterator[list[int]]:
+        """The extend row's new tokens, round by round: the same in every column."""
+        for k in range(1 << 30):
+            yield new_tokens(k, EXTEND_NEW, self.vocab)
+
+
+@dataclass
+class Column:
+    """One column: its measurements (row -> a call returning the figure) or why it has
+    none; the weight bytes per parameter a decode step reads; whether its prompt
+    products run on int8 activations (its prefill limit is then the int8 kernel peak);
+    the weight bytes it holds in memory, where known."""
+
+    measures: dict[str, Callable[[], float]] | str
+    bytes_per_param: float = 4.0
+    int8: bool = False
+    held_bytes: int | None = None
+
+
+def kv_pages(n_dec: int, page_size: int = 16) -> int:
+    """KV pages an engine needs for every row, twice over (the prefix-cached engine keeps
+    earlier extensions): the cached 2,048-token prompt and an extension (or one 2,048-token
+    prefill), or 8 streams of the short prompt and `n_dec` tokens. The default pool (8
+    full-length sequences, 1.5 GiB) for every column would not fit beside the others."""
+    one = -(-(EXTEND_BASE + EXTEND_NEW + 1) // page_size)
+    streams = 8 * -(-(SHORT_PROMPT + n_dec + 1) // page_size)
+    return 2 * max(one, streams)
+
+
+def flare_column(ckpt, fmt: str, setup: Setup) -> Column:
+    """Flare's engine on `ckpt` in format `fmt` (converted once, from the file's own
+    blocks; a second engine with the prefix cache shares the weights for the extend row)."""
+    stored = convert_tensors(ckpt.tensors, fmt, ckpt.blocks)
+    pages = kv_pages(setup.n_dec)
+    engine = flare_engine(ckpt, fmt, stored=stored, num_pages=pages)
+    short = setup.ids_of(SHORT_PROMPT)
+    flare_decode(engine, short, 1, 8)  # warm-up
+    measures = {
+        "decode_b1": functools.partial(flare_decode, engine, short, 1, setup.n_dec),
+        "decode_b8": functools.partial(flare_decode, engine, short, 8, setup.n_dec),
+        **{f"prefill_{n}": functools.partial(flare_prefill, engine, setup.ids_of(n))
+           for n in setup.lengths}}
+    if setup.extend:
+        cached = flare_engine(ckpt, fmt, prefix_cache=True, stored=stored, num_pages=pages)
+        base = setup.ids_of(EXTEND_BASE)
+        flare_prefill(cached, base)  # the cached turn
+        measures["extend"] = functools.partial(flare_extend, cached, base, setup.suffixes())
+    held = serving_weight_bytes(stored, fmt, ckpt.config.tie_word_embeddings)
+    layers, out = linear_params(ckpt.config)
+    # the formulas where they are known, else what the format holds (kx8, q8x8)
+    per_param = (flare_bytes_per_param(ckpt.config, fmt) if fmt in ("full", "fp16", "q4", "q4x8")
+                 else held / (layers + out))
+    return Column(measures, per_param, int8=fmt in INT8_FORMATS, held_bytes=held)
+
+
+def transformers_column(ckpt, setup: Setup) -> Column:
+    """transformers' `generate` on the checkpoint's fp32 weights (no extend row)."""
+    model = hf_model(ckpt)
+    hf_prefill(model, setup.ids_of(64))  # warm-up
+    short = setup.ids_of(SHORT_PROMPT)
+    return Column({
+        "decode_b1": functools.partial(hf_decode, model, short, 1, setup.n_dec),
+        "decode_b8": functools.partial(hf_decode, model, short, 8, setup.n_dec),
+        **{f"prefill_{n}": functools.partial(hf_prefill, model, setup.ids_of(n))
+           for n in setup.lengths}})
+
+
+def llama_cpp_column(gguf: Path, cfg, setup: Setup) -> Column:
+    """llama.cpp on `gguf`; a step reads the file's tensor bytes per parameter."""
+    layers, out = linear_params(cfg)
+    return Column(llama_cpp_measures(gguf, setup.ids_of, setup.threads, setup.n_dec,
+                                     setup.lengths, setup.suffixes() if setup.extend else None),
+                  gguf.stat().st_size / (layers + out), int8=True)
+
+
+def kquant_group(src: Path, kind: str, setup: Setup, llama_cpp: bool
+                 ) -> tuple[str, dict[str, Column]] | str:
+    """(title, columns) for the `kind` file made from `src`: Flare in the file's default
+    format, and llama.cpp when `llama_cpp`; or why the file cannot be had."""
+    path = kquant_file(src, kind, setup.threads)
+    if isinstance(path, str):
+        return f"{kind}: not measured ({path})"
+    ckpt = load_checkpoint(path)
+    fmt = default_weight_format(dtype="float32", device="cpu", recipe="llama",
+                                source=ckpt.source)
+    columns = {f"flare {fmt}*": flare_column(ckpt, fmt, setup)}
+    if llama_cpp:
+        columns["llama.cpp"] = llama_cpp_column(path, ckpt.config, setup)
+    size = path.stat().st_size
+    held = columns[f"flare {fmt}*"].held_bytes
+    types = ", ".join(f"{n} {t}" for t, n in sorted(weight_types(path).items()))
+    title = (f"{path.name} ({size / MIB:.1f} MiB; 2-D tensors {types}); flare {fmt} holds "
+             f"{held / MIB:.1f} MiB = {held / size:.2f}x the file")
+    return title, columns
+
+
+# ---- the tables -----------------------------------------------------------------------------
+
+def print_table(title: str, columns: dict[str, Column], figures: dict[str, dict[str, float]],
+                rows: list[str], labels: dict[str, str],
+                share: Callable[[Column, str, float], float], width: int = 22) -> None:
+    """One table: a row per figure, a column per `columns` (the median, and for
+    throughputs its share of the machine's limit); then why any column has no figures."""
+    print(f"\n{title}")
+    print(f"{'figure':30}" + "".join(f"{c:>{width}}" for c in columns))
+    for row in rows:
+        cells = []
+        for name, col in columns.items():
+            value = figures.get(name, {}).get(row)
+            if value is None:
+                cells.append("-")
+            elif row == "extend":
+                cells.append(f"{value:7.1f}        ")
+            else:
+                cells.append(f"{value:7.1f} ({100 * share(col, row, value):4.1f}%)")
+        print(f"{labels[row]:30}" + "".join(f"{c:>{width}}" for c in cells))
+    for name, col in columns.items():
+        if isinstance(col.measures, str):
+            print(f"{name}: {col.measures}")
+
+
+def figure_share(cfg, limits: Limits, col: Column, row: str, value: float, context: int
+                 ) -> float:
+    """The share of the machine's limit of `value` in `row` of `col` (see the module
+    docstring); decode steps read the KV cache of `context` positions."""
+    if row.startswith("prefill"):
+        n = int(row.split("_")[1])
+        linear = limits.int8_gops if col.int8 and limits.int8_gops else limits.fp32_gflops
+        return prefill_share(cfg, n, value, linear * 1e9, limits.fp32_gflops * 1e9)
+    batch = 8 if row == "decode_b8" else 1
+    per_step = decode_bytes_per_step(cfg, col.bytes_per_param, batch, context)
+    return value / batch * per_step / (limits.read_gbs * 1e9)
+
+
+def session_line(gguf: Path, fmt: str, threads: int, turns: int, budget_s: float) -> str:
+    """The agent session's medians against llama.cpp's server, as one line."""
+    from bench_agent_session import against_llama_cpp
+
+    from flare.serve_child import ServerStartError
+
+    max_tokens = 16
+    with tempfile.TemporaryDirectory(prefix="flare-peers-") as tmp:
+        try:
+            r = against_llama_cpp(gguf, threads, turns, max_tokens, budget_s, Path(tmp))
+        except ServerStartError as exc:
+            return f"agent session: flare serve did not start ({str(exc).splitlines()[0]})"
+    head = (f"agent session ({r['corpus']}, {r['turns']} turns of {max_tokens} tokens"
+            + (f"; the {budget_s:.0f} s budget ended it" if r["turns"] < turns else "")
+            + f"): median TTFT turns 2-{r['turns']}: ")
+    if r["flare"] is None:
+        return head + "none (fewer than 2 turns ran)"
+    flare = f"flare serve (default package, {fmt}, prefix cache) {r['flare']:.0f} ms"
+    if r["llama.cpp"] is None:
+        return head + f"{flare}; llama.cpp server: {r['peer_problem']}"
+    return (head + f"{flare}, llama.cpp server (--cache true) {r['llama.cpp']:.0f} ms; "
+            f"llama.cpp / flare {r['llama.cpp'] / r['flare']:.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
@@ -207,119 +391,104 @@ def main() -> None:
     ap.add_argument("--weights", default="fp16,full,q4,q4x8",
                     help="Flare weight formats, comma-separated (default fp16,full,q4,q4x8)")
     ap.add_argument("--quick", action="store_true",
-                    help="skip the 2,048-token prefill and decode 24 tokens")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="rounds over every column; the table shows medians (default 3)")
+                    help="a smoke: one round, 24 decode tokens, no 2,048-token rows, 4 turns")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="rounds over every column; the tables show medians (default 3, "
+                         "1 with --quick)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-llama-cpp", action="store_true")
+    ap.add_argument("--kquants", default="q4_k_m,q6_k",
+                    help="K-quant files written from the embedded GGUF and measured "
+                         "(default q4_k_m,q6_k)")
+    ap.add_argument("--skip-kquants", action="store_true")
+    ap.add_argument("--session-turns", type=int, default=None,
+                    help="agent-session turns (default 20, 4 with --quick)")
+    ap.add_argument("--session-budget", type=float, default=600.0,
+                    help="seconds the session's turns may take; later turns are not sent")
+    ap.add_argument("--skip-session", action="store_true")
     args = ap.parse_args()
+    try:
+        kinds = [] if args.skip_kquants else [kind_of(k) for k in args.kquants.split(",") if k]
+    except ValueError as exc:
+        ap.error(str(exc))
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
+    turns = args.session_turns or (4 if args.quick else 20)
     torch.set_num_threads(args.threads)
     n_dec = 24 if args.quick else args.decode_tokens
-    lengths = (512,) if args.quick else (512, 2048)
-
+    # the limits first, on a quiet process (nothing loaded yet)
+    limits = measure_limits(args.threads)
+    print(f"{args.threads} threads; torch {torch.__version__}; decode {n_dec} tokens after a "
+          f"{SHORT_PROMPT}-token prompt; load average {os.getloadavg()[0]:.1f} at the start")
+    for line in limits.lines():
+        print(line, flush=True)
     gguf = embedded_model_path()
     ckpt = load_checkpoint(gguf)
     cfg, tok = ckpt.config, ckpt.tokenizer
-
-    def ids_of(n: int) -> list[int]:
-        return _prompt(tok, n)
-
-    short = ids_of(SHORT_PROMPT)
-    extend = not args.quick
-    rows = (["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in lengths]
-            + (["extend"] if extend else []))
+    default_fmt = default_weight_format(dtype="float32", device="cpu", recipe="llama",
+                                        source=ckpt.source)
+    setup = Setup(ids_of=lambda n: _prompt(tok, n), threads=args.threads, n_dec=n_dec,
+                  lengths=(512,) if args.quick else (512, 2048), extend=not args.quick,
+                  vocab=cfg.vocab_size)
+    rows = (["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in setup.lengths]
+            + (["extend"] if setup.extend else []))
     labels = {"decode_b1": "decode batch 1, tok/s", "decode_b8": "decode 8 streams, agg tok/s",
-              **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in lengths},
+              **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in setup.lengths},
               "extend": f"+{EXTEND_NEW} on cached {EXTEND_BASE}, ms"}
-    base = ids_of(EXTEND_BASE)
 
-    def suffix_stream():
-        # every column draws the same suffixes round by round
-        for k in range(1 << 30):
-            yield new_tokens(k, EXTEND_NEW, cfg.vocab_size)
-    # every column's measurements (row -> a call returning the figure), made first; then
-    # `--repeat` rounds run every measurement of every column in turn, so a slower spell
-    # of the shared machine falls on all columns alike; the table shows medians
-    measures: dict[str, dict[str, Callable[[], float]] | str] = {}
-    bytes_per_param: dict[str, float] = {}
+    # every column's measurements first; then `repeat` rounds run every measurement of
+    # every column of every table in turn, so a slower spell of the shared machine falls
+    # on all columns alike; the tables show medians
+    embedded: dict[str, Column] = {}
     for fmt in [w for w in args.weights.split(",") if w]:
-        engine = flare_engine(ckpt, fmt)
-        flare_decode(engine, short, 1, 8)  # warm-up
-        measures[f"flare {fmt}"] = {
-            "decode_b1": functools.partial(flare_decode, engine, short, 1, n_dec),
-            "decode_b8": functools.partial(flare_decode, engine, short, 8, n_dec),
-            **{f"prefill_{n}": functools.partial(flare_prefill, engine, ids_of(n))
-               for n in lengths}}
-        if extend:
-            cached = flare_engine(ckpt, fmt, prefix_cache=True)
-            flare_prefill(cached, base)  # the cached turn
-            measures[f"flare {fmt}"]["extend"] = functools.partial(
-                flare_extend, cached, base, suffix_stream())
-        bytes_per_param[f"flare {fmt}"] = flare_bytes_per_param(cfg, fmt)
+        embedded[f"flare {fmt}" + ("*" if fmt == default_fmt else "")] = flare_column(
+            ckpt, fmt, setup)
     if not args.skip_transformers:
-        model = hf_model(ckpt)
-        hf_prefill(model, ids_of(64))  # warm-up
-        measures["transformers fp32"] = {
-            "decode_b1": functools.partial(hf_decode, model, short, 1, n_dec),
-            "decode_b8": functools.partial(hf_decode, model, short, 8, n_dec),
-            **{f"prefill_{n}": functools.partial(hf_prefill, model, ids_of(n))
-               for n in lengths}}
-        bytes_per_param["transformers fp32"] = 4.0
+        embedded["transformers fp32"] = transformers_column(ckpt, setup)
     if not args.skip_llama_cpp:
-        measures["llama.cpp"] = llama_cpp_measures(gguf, ids_of, args.threads, n_dec, lengths,
-                                                   suffix_stream() if extend else None)
-        layers, out = linear_params(cfg)
         # the GGUF's tensor bytes per parameter (Q4_1 layers, Q8_0 embedding / output)
-        bytes_per_param["llama.cpp"] = gguf.stat().st_size / (layers + out)
+        embedded["llama.cpp"] = llama_cpp_column(gguf, cfg, setup)
+    del ckpt
+    groups: list[tuple[str, dict[str, Column]] | str] = [
+        (f"embedded model {gguf.name} ({gguf.stat().st_size / MIB:.1f} MiB)", embedded)]
+    groups += [kquant_group(gguf, kind, setup, not args.skip_llama_cpp) for kind in kinds]
 
-    samples = interleaved_samples(measures, rows, args.repeat)
-    columns: dict[str, dict[str, float | None] | str] = {
-        col: m if isinstance(m, str) else
-        {row: statistics.median(samples[col, row]) if (col, row) in samples else None
-         for row in rows}
-        for col, m in measures.items()}
-    del measures
-    gc.collect()
+    measures = {(g, name): col.measures for g, group in enumerate(groups)
+                if not isinstance(group, str) for name, col in group[1].items()}
+    samples = interleaved_samples(measures, rows, repeat)
+    figures: dict[int, dict[str, dict[str, float]]] = {}
+    for (g, name, row), values in ((k[0] + (k[1],), v) for k, v in samples.items()):
+        figures.setdefault(g, {}).setdefault(name, {})[row] = statistics.median(values)
+    del measures, samples
+    for group in groups:  # the engines and models go: the limits need the cores and caches
+        for col in ([] if isinstance(group, str) else group[1].values()):
+            if not isinstance(col.measures, str):
+                col.measures = {}
+    gc.collect()  # before the session's servers start
 
-    gflops = gemm_gflops()
-    copy_bw, read_bw = bandwidth_gbs()
-    bw = max(copy_bw, read_bw)  # the larger: fractions are never overstated
+    def share(col: Column, row: str, value: float) -> float:
+        return figure_share(cfg, limits, col, row, value, SHORT_PROMPT + n_dec // 2)
 
-    def fraction(col: str, row: str, value: float) -> float:
-        if row.startswith("prefill"):
-            n = int(row.split("_")[1])
-            return value * prefill_flops_per_token(cfg, n) / (gflops * 1e9)
-        batch = 8 if row == "decode_b8" else 1
-        steps = value / batch
-        per_step = decode_bytes_per_step(cfg, bytes_per_param[col], batch,
-                                         SHORT_PROMPT + n_dec // 2)
-        return steps * per_step / (bw * 1e9)
-
-    print(f"embedded model {gguf.name}; {args.threads} threads; torch {torch.__version__}; "
-          f"decode {n_dec} tokens after a {SHORT_PROMPT}-token prompt; medians of "
-          f"{args.repeat} rounds")
-    width = 22
-    print(f"{'figure':30}" + "".join(f"{c:>{width}}" for c in columns))
-    for row in rows:
-        cells = []
-        for col, figs in columns.items():
-            value = None if isinstance(figs, str) else figs.get(row)
-            if value is None:
-                cells.append("-")
-            elif row == "extend":
-                cells.append(f"{value:7.1f}        ")
-            else:
-                cells.append(f"{value:7.1f} ({100 * fraction(col, row, value):4.1f}%)")
-        print(f"{labels[row]:30}" + "".join(f"{c:>{width}}" for c in cells))
-    for col, figs in columns.items():
-        if isinstance(figs, str):
-            print(f"{col}: {figs}")
-    print(f"limits: fp32 GEMM {gflops:.0f} GFLOP/s (2048^3 torch.mm); memory copy "
-          f"{copy_bw:.1f} GB/s (read+write), read {read_bw:.1f} GB/s; (%) = share of "
-          f"{bw:.1f} GB/s for decode, of the GEMM rate for prefill")
-    print("decode bytes per parameter: " + ", ".join(
-        f"{c} {b:.2f}" for c, b in bytes_per_param.items())
+    print(f"\nmedians of {repeat} rounds; load average {os.getloadavg()[0]:.1f} at the end; "
+          f"* = the file's default format")
+    for g, group in enumerate(groups):
+        if isinstance(group, str):
+            print(f"\n{group}")
+        else:
+            print_table(group[0], group[1], figures.get(g, {}), rows, labels, share)
+    print("\n(%) = share of the read bandwidth for decode; for prefill, of the time a token "
+          "takes at the int8 kernel peak (int8-activation columns: q4x8, q8x8, kx8, "
+          "llama.cpp) or the fp32 peak (the others) for its linear FLOPs, plus its "
+          "attention at the fp32 peak")
+    print("decode bytes per parameter (weights held): " + "; ".join(
+        f"{group[0].split(' (')[0].split()[-1]}: " + ", ".join(
+            f"{name} {col.bytes_per_param:.2f}"
+            + (f" ({col.held_bytes / MIB:.1f} MiB)" if col.held_bytes else "")
+            for name, col in group[1].items())
+        for group in groups if not isinstance(group, str))
           + "; llama.cpp has no 8-stream figure (its binding runs one sequence)")
+    sys.stdout.flush()
+    if not args.skip_session:
+        print("\n" + session_line(gguf, default_fmt, args.threads, turns, args.session_budget))
 
 
 if __name__ == "__main__":

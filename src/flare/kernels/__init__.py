@@ -244,8 +244,8 @@ def qgemm() -> ModuleType:
             (dense.cpp: row-invariant, a row's result never depends on the other rows
             of the call or the thread count)
         rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention (see `fused_ops`)
-        DenseLayers(...): every decoder layer of a dense step in one call (layers.cpp,
-            `flare.models.native_layers`)
+        DenseLayers(...): every decoder layer of a dense step, and the output layer on
+            the rows that sample, in one call (layers.cpp, `flare.models.native_layers`)
 
     Raises:
         KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, or the build

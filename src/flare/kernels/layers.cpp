@@ -1,4 +1,5 @@
-// Every decoder layer of a dense (recipe `llama`) step in one native call.
+// Every decoder layer of a dense (recipe `llama`) step in one native call, and the
+// output layer on the rows that sample.
 //
 // `DenseLayers` keeps the model's per-layer weights, described once at load
 // (flare.models.native_layers builds the description), and `forward` runs all layers of
@@ -6,15 +7,18 @@
 // the same inputs (ops.h), so the hidden states are bit-identical to that path; only
 // the Python between the kernels is gone (wrappers, views, per-layer argument packing).
 //
-//   DenseLayers(layers, final_norm, cos, sin_signed, num_heads, num_kv_heads, eps, scale)
+//   DenseLayers(layers, final_norm, cos, sin_signed, num_heads, num_kv_heads, eps, scale,
+//               lm_head)
 //     layers: per layer (input_norm [hidden], qkv, qk_norm [H + KVH, D] | None, o_proj,
 //             post_norm [hidden], gate_up, down); each linear a tuple
 //             (kind, tensors, out_features, bias | None, parts) with kind
 //               "q4x8" (codes, scales, mins), "q8x8" (codes, scales),
 //               "q4kx8" (codes, scales, mins, d, dmin), "q6kx8" (codes, scales, d),
-//               "f16" / "f32" (panels), or "stacked" (parts: linears, outputs
+//               "q5x8" (codes, high, scales, mins), "q5kx8" (codes, high, scales, mins,
+//               d, dmin), "f16" / "f32" (panels), or "stacked" (parts: linears, outputs
 //               concatenated, then the bias added), as flare.models.quant.linear.Linear
 //               runs them.
+//     lm_head: the output layer, a linear tuple, or None (then forward_logits raises).
 //   forward(x [T, hidden], positions int64 [T], slots int64 [T], k [L, S, KVH, D],
 //           v [L, S, KVH, D], decode_kind, decode_rows, decode_span, decode_len,
 //           decode_gather | None, decode_lengths | None, chunk_starts, chunk_lens,
@@ -25,6 +29,9 @@
 //     (decode_attention); 2: decode_rows sequences over decode_gather [B, M] with
 //     decode_lengths [B] (decode_attention_gather). Chunk c: rows
 //     [chunk_starts[c], + chunk_lens[c]) over cache slots chunk_gathers[c] [1, ctx].
+//   forward_logits(<forward's arguments>, logit_rows) -> logits [N, vocab]
+//     forward, then the lm_head on rows logit_rows (N indices into T, in that order), as
+//     LlamaModel.logits(hidden[rows]) computes them: the same kernel on the same rows.
 //
 // Threads: each kernel splits its own work with at::parallel_for (one OpenMP region per
 // kernel that asks for one, as on the Python path; decode's small ops stay on the calling
@@ -41,7 +48,7 @@ namespace {
 
 namespace py = pybind11;
 
-enum class Kind { Q4X8, Q8X8, Q4KX8, Q6KX8, F16, F32, STACKED };
+enum class Kind { Q4X8, Q8X8, Q4KX8, Q6KX8, Q5X8, Q5KX8, F16, F32, STACKED };
 
 struct LinearSpec {
   Kind kind;
@@ -64,6 +71,8 @@ LinearSpec parse_linear(const py::handle& obj) {
   else if (kind == "q8x8") s.kind = Kind::Q8X8, want = 2;
   else if (kind == "q4kx8") s.kind = Kind::Q4KX8, want = 5;
   else if (kind == "q6kx8") s.kind = Kind::Q6KX8, want = 3;
+  else if (kind == "q5x8") s.kind = Kind::Q5X8, want = 4;
+  else if (kind == "q5kx8") s.kind = Kind::Q5KX8, want = 6;
   else if (kind == "f16") s.kind = Kind::F16, want = 1;
   else if (kind == "f32") s.kind = Kind::F32, want = 1;
   else if (kind == "stacked") s.kind = Kind::STACKED, want = 0;
@@ -87,6 +96,10 @@ torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x) {
     case Kind::Q8X8: y = flare_ops::q8x8_linear(x, t[0], t[1]); break;
     case Kind::Q4KX8: y = flare_ops::q4kx8_linear(x, t[0], t[1], t[2], t[3], t[4]); break;
     case Kind::Q6KX8: y = flare_ops::q6kx8_linear(x, t[0], t[1], t[2]); break;
+    case Kind::Q5X8: y = flare_ops::q5x8_linear(x, t[0], t[1], t[2], t[3]); break;
+    case Kind::Q5KX8:
+      y = flare_ops::q5kx8_linear(x, t[0], t[1], t[2], t[3], t[4], t[5]);
+      break;
     case Kind::STACKED: {
       std::vector<torch::Tensor> ys;
       ys.reserve(s.parts.size());
@@ -109,11 +122,12 @@ class DenseLayers {
  public:
   DenseLayers(const py::list& layers, torch::Tensor final_norm, torch::Tensor cos,
               torch::Tensor sin_signed, int64_t num_heads, int64_t num_kv_heads, double eps,
-              double scale)
+              double scale, const py::object& lm_head)
       : final_norm_(std::move(final_norm)), cos_(std::move(cos)),
         sin_(std::move(sin_signed)), H_(num_heads), KVH_(num_kv_heads), eps_(eps),
         scale_(scale) {
     TORCH_CHECK(py::len(layers) > 0, "DenseLayers needs at least one layer");
+    if (!lm_head.is_none()) lm_head_ = parse_linear(lm_head);
     for (const auto& obj : layers) {
       const auto tup = obj.cast<py::tuple>();
       TORCH_CHECK(tup.size() == 7, "a layer is (input_norm, qkv, qk_norm, o_proj, "
@@ -131,6 +145,7 @@ class DenseLayers {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool has_lm_head() const { return lm_head_.has_value(); }
 
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& positions,
                         const torch::Tensor& slots, const torch::Tensor& k,
@@ -194,8 +209,31 @@ class DenseLayers {
     return y;
   }
 
+  torch::Tensor forward_logits(torch::Tensor x, const torch::Tensor& positions,
+                               const torch::Tensor& slots, const torch::Tensor& k,
+                               const torch::Tensor& v, int64_t decode_kind,
+                               int64_t decode_rows, int64_t decode_span, int64_t decode_len,
+                               const c10::optional<torch::Tensor>& decode_gather,
+                               const c10::optional<torch::Tensor>& decode_lengths,
+                               const std::vector<int64_t>& chunk_starts,
+                               const std::vector<int64_t>& chunk_lens,
+                               const std::vector<torch::Tensor>& chunk_gathers,
+                               const std::vector<int64_t>& logit_rows) const {
+    TORCH_CHECK(lm_head_.has_value(), "this DenseLayers was built without an lm_head");
+    TORCH_CHECK(!logit_rows.empty(), "logit_rows must name at least one row");
+    const auto y = forward(std::move(x), positions, slots, k, v, decode_kind, decode_rows,
+                           decode_span, decode_len, decode_gather, decode_lengths,
+                           chunk_starts, chunk_lens, chunk_gathers);
+    // a view of the caller's indices: index_select reads them (and checks their range)
+    const auto rows = torch::from_blob(const_cast<int64_t*>(logit_rows.data()),
+                                       {static_cast<int64_t>(logit_rows.size())},
+                                       torch::kInt64);
+    return linear(*lm_head_, y.index_select(0, rows));  // [N, vocab]
+  }
+
  private:
   std::vector<Layer> layers_;
+  c10::optional<LinearSpec> lm_head_;
   torch::Tensor final_norm_, cos_, sin_;
   int64_t H_, KVH_;
   double eps_, scale_;
@@ -207,15 +245,24 @@ void flare_register_layers(pybind11::module_& m) {
   py::class_<DenseLayers>(m, "DenseLayers",
                           "every decoder layer of a dense step in one call (layers.cpp)")
       .def(py::init<const py::list&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                    int64_t, double, double>(),
+                    int64_t, double, double, const py::object&>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("cos"), py::arg("sin_signed"),
-           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"))
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("eps"), py::arg("scale"),
+           py::arg("lm_head"))
       .def_property_readonly("num_layers", &DenseLayers::num_layers)
+      .def_property_readonly("has_lm_head", &DenseLayers::has_lm_head)
       .def("forward", &DenseLayers::forward,
            "all layers of a step; returns the final norm's output [T, hidden]",
            py::arg("x"), py::arg("positions"), py::arg("slots"), py::arg("k"), py::arg("v"),
            py::arg("decode_kind"), py::arg("decode_rows"), py::arg("decode_span"),
            py::arg("decode_len"), py::arg("decode_gather"), py::arg("decode_lengths"),
            py::arg("chunk_starts"), py::arg("chunk_lens"), py::arg("chunk_gathers"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_logits", &DenseLayers::forward_logits,
+           "forward, then the lm_head on rows logit_rows; returns logits [N, vocab]",
+           py::arg("x"), py::arg("positions"), py::arg("slots"), py::arg("k"), py::arg("v"),
+           py::arg("decode_kind"), py::arg("decode_rows"), py::arg("decode_span"),
+           py::arg("decode_len"), py::arg("decode_gather"), py::arg("decode_lengths"),
+           py::arg("chunk_starts"), py::arg("chunk_lens"), py::arg("chunk_gathers"),
+           py::arg("logit_rows"), py::call_guard<py::gil_scoped_release>());
 }

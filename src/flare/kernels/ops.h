@@ -17,6 +17,13 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& d, const torch::Tensor& dmin);
 torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& scales, const torch::Tensor& d);
+torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& high, const torch::Tensor& scales,
+                          const torch::Tensor& mins);
+torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& high, const torch::Tensor& scales,
+                           const torch::Tensor& mins, const torch::Tensor& d,
+                           const torch::Tensor& dmin);
 // dense.cpp
 torch::Tensor f16_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N,
                          const c10::optional<torch::Tensor>& bias);

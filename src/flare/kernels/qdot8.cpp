@@ -578,6 +578,17 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& scales, const torch::Tensor& d) {
   return ::q6kx8_linear(x, codes, scales, d);
 }
+torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                          const torch::Tensor& high, const torch::Tensor& scales,
+                          const torch::Tensor& mins) {
+  return ::q5x8_linear(x, codes, high, scales, mins);
+}
+torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& high, const torch::Tensor& scales,
+                           const torch::Tensor& mins, const torch::Tensor& d,
+                           const torch::Tensor& dmin) {
+  return ::q5kx8_linear(x, codes, high, scales, mins, d, dmin);
+}
 }  // namespace flare_ops
 
 void flare_register_qdot8(pybind11::module_& m) {

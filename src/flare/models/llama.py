@@ -24,7 +24,8 @@ kernel cannot be built the torch path below runs unchanged. The two paths agree 
 1e-6 relative (different summation order in norms, a polynomial exp in SiLU and softmax);
 `forward` on a cache of another dtype runs the torch path. Where the weights allow
 (`flare.models.native_layers`), the fused path runs all layers of a step in one native
-call of the same kernels, bit-identical to its per-op Python loop.
+call of the same kernels, bit-identical to its per-op Python loop, and `forward_logits`
+adds the output layer on the sampling rows to that call.
 """
 
 from __future__ import annotations
@@ -221,13 +222,36 @@ class LlamaModel:
         Returns:
             Final hidden states [T, hidden] after the last norm, in the serving dtype.
         """
-        if self.fused_ops is not None and kv.k.dtype == torch.float32 and len(self.layers):
+        if self._fused_serves(kv):
             return self._forward_fused(input_ids, positions, batch, kv)
         k_cache, v_cache = kv.k_layers, kv.v_layers  # per-layer views
         scale = self.scale
         return self._torch_layers(
             input_ids, positions, batch.slot_mapping, kv,
             lambda i, q: paged_attention(q, k_cache[i], v_cache[i], batch, scale))
+
+    @torch.inference_mode()
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       batch: AttentionBatch, kv: KVCache, rows: list[int]
+                       ) -> torch.Tensor | None:
+        """`forward`, then `logits` of the rows `rows`: fp32 [len(rows), vocab], or None
+        (after the forward) when `rows` is empty. Where the native call holds the output
+        layer, it runs there too, on the same rows with the same kernel (bit-identical).
+
+        Args:
+            input_ids, positions, batch, kv: as `forward`.
+            rows: indices into the step's T tokens (each sampling sequence's last token).
+        """
+        native = self.native
+        if rows and native is not None and native.has_lm_head and self._fused_serves(kv):
+            x, positions64, slots = self._fused_inputs(input_ids, positions, batch)
+            logits = native_forward(native, x, positions64, slots, batch, kv, rows)
+            if logits is not None:
+                return logits
+        hidden = self.forward(input_ids, positions, batch, kv)
+        if not rows:
+            return None
+        return self.logits(hidden[torch.tensor(rows, device=hidden.device)])
 
     @torch.inference_mode()
     def decode_static(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -299,6 +323,20 @@ class LlamaModel:
             x = x + layer.down(F.silu(gate) * up)  # [T, hidden]
         return self._norm(x, self.final_norm)
 
+    def _fused_serves(self, kv: KVCache) -> bool:
+        """Whether `forward` on `kv` runs the fused ops (float32 cache, some layers)."""
+        return self.fused_ops is not None and kv.k.dtype == torch.float32 and bool(
+            self.layers)
+
+    def _fused_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: AttentionBatch
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused path's inputs: the embedded tokens float32 [T, hidden] (a fresh
+        contiguous tensor, the residual stream), positions and slots int64 [T]."""
+        x = self.embed[input_ids].to(self.dtype).contiguous()
+        return (x, positions.to(torch.int64).contiguous(),
+                batch.slot_mapping.to(torch.int64).contiguous())
+
     def _forward_fused(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
         """`forward` through the fused ops (float32, CPU): same arguments and result.
@@ -311,9 +349,7 @@ class LlamaModel:
         ops = self.fused_ops
         h, kvh, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         t = input_ids.shape[0]
-        x = self.embed[input_ids].to(self.dtype).contiguous()  # [T, hidden], a fresh tensor
-        positions = positions.to(torch.int64).contiguous()
-        slots = batch.slot_mapping.to(torch.int64).contiguous()
+        x, positions, slots = self._fused_inputs(input_ids, positions, batch)
         if self.native is not None:
             y = native_forward(self.native, x, positions, slots, batch, kv)
             if y is not None:

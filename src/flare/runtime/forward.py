@@ -87,10 +87,9 @@ class ForwardRunner:
         if self.device.type != "cpu":  # built on the host: one copy each to the device
             batch = _batch_to(batch, self.device)
             input_ids, pos = input_ids.to(self.device), pos.to(self.device)
-        if self.states is not None:
-            hidden = self.model.forward(input_ids, pos, batch, self.kv, self.states)
-        else:
-            hidden = self.model.forward(input_ids, pos, batch, self.kv)
+        if self.states is None:  # dense: the output layer in the model's own step call
+            return self.model.forward_logits(input_ids, pos, batch, self.kv, last_rows)
+        hidden = self.model.forward(input_ids, pos, batch, self.kv, self.states)
         if not last_rows:
             return None
         return self.model.logits(hidden[torch.tensor(last_rows, device=hidden.device)])

@@ -170,7 +170,7 @@ def test_histograms_count_and_sum_the_requests_sent(server, http, smollm2_packag
     assert "flare_request_prompt_tokens_bucket[le=2000.0]" in after  # 1-2-5 up to 2,048
 
     manifest = json.loads((smollm2_package / "manifest.json").read_text())
-    from flare.kernels import ISA_TARGET
+    from flare.kernels import isa_target, isa_variant
 
     info = {k: v for k, v in after.items() if k.startswith("flare_build_info{")}
     assert len(info) == 1 and list(info.values()) == [1.0]
@@ -178,7 +178,7 @@ def test_histograms_count_and_sum_the_requests_sent(server, http, smollm2_packag
     assert f"version={flare.__version__}" in key
     assert f"package_id={manifest['package_id']}" in key
     assert f"format={manifest['tuning']['weights']}" in key
-    assert f"kernel_variant={ISA_TARGET}" in key
+    assert f"kernel_variant={isa_target(isa_variant())}" in key
 
 
 # ------------------------------------------------------------------------- the browser

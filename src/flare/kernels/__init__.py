@@ -8,32 +8,41 @@ float32 ops for the
 dense decoder's small per-layer steps: RMSNorm, residual add + RMSNorm, RoPE + K/V store,
 SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
 `fused_ops()` returns the same module for those ops, or None where it cannot be had or
-$FLARE_FUSED_OPS=0 asks for the torch path. It is compiled once with
-`torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -mf16c -ffp-contract=off -fopenmp;
-the kernels use `at::parallel_for`, so they run on torch's own OpenMP thread pool: the
-module's libgomp.so.1 is the copy torch loaded, no second runtime) into
+$FLARE_FUSED_OPS=0 asks for the torch path.
 
-    <cache>/kernels/flare_qgemm_<key>/
+The module comes in instruction-set variants (`flare.kernels.variants`: avx512vnni,
+avxvnni, and the avx2 baseline), each the whole extension built from the same sources
+with its own -m flags. `isa_variant()` picks one per process: $FLARE_KERNEL_ISA where set,
+else the best variant whose CPU flags /proc/cpuinfo lists and that passes its probe (built,
+then run against the baseline in a child process, `flare.kernels.probe`; the verdict is
+cached beside the module). Results are identical across variants (qdot8.cpp says why).
+A variant is compiled once with `torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -mf16c
+-ffp-contract=off -fopenmp, plus its own flags; the kernels use `at::parallel_for`, so they
+run on torch's own OpenMP thread pool: the module's libgomp.so.1 is the copy torch loaded,
+no second runtime) into
+
+    <cache>/kernels/flare_qgemm_<variant>_<key>/
 
 where <cache> is Flare's cache folder (`flare.cache_dir.default_cache_dir`: $FLARE_CACHE_DIR,
 else $XDG_CACHE_HOME/flare, else ~/.cache/flare) and <key> hashes every source file, the
-compiler flags, the torch and Python versions, the machine, the instruction-set target
-(`ISA_TARGET`) and the CPU's flags that decide what a build may run (`KEY_CPU_FLAGS`,
-from /proc/cpuinfo): a cache folder shared between different machines (an NFS home, a
-copied image) never loads a module built for another CPU. A build runs in a private temporary
+compiler flags, the torch and Python versions, the machine, the variant's instruction-set
+target (`isa_target`) and the CPU's flags that decide what a build may run
+(`KEY_CPU_FLAGS`, from /proc/cpuinfo): a cache folder shared between different machines
+(an NFS home, a copied image) never loads a module built for another CPU or another
+instruction set. A build runs in a private temporary
 sibling folder that is renamed into place when complete, so two processes building at
 once both succeed (the loser of the rename discards its copy) and a reader never sees a
 half-built module. Later processes import the cached module directly (no compiler or
-ninja needed then). The first build takes about a minute on 2 cores.
+ninja needed then). The first build takes about a minute on 2 cores (two builds on a CPU
+that lists VNNI flags: the baseline, which the probe compares against, and the variant).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import logging
-import importlib.machinery
-import importlib.util
 import os
 import platform
 import shutil
@@ -48,6 +57,13 @@ from types import ModuleType
 import torch
 
 from flare.cache_dir import default_cache_dir
+from flare.kernels import variants
+from flare.kernels.probe import (
+    cached_probe,
+    import_extension,
+    read_verdict,
+    write_verdict,
+)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp",
                                                  "attention.cpp", "recurrent.cpp", "dense.cpp",
@@ -59,10 +75,9 @@ HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h", "ops.h")] 
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
 # so the kernels share torch's thread pool and its torch.set_num_threads setting.
 BUILD_REPORT_S = 10.0  # seconds between two progress lines of a build
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # the baseline's
 LDFLAGS = ["-fopenmp"]
-# The instruction sets the build targets (the -m flags above), part of the cache key.
-ISA_TARGET = "x86-64+" + "+".join(f[2:] for f in CFLAGS if f.startswith("-m"))
+ISA_ENV = "FLARE_KERNEL_ISA"  # forces a variant: avx2, avxvnni or avx512vnni
 # /proc/cpuinfo flags that decide which kernels a CPU can run (now or in per-variant
 # builds), part of the cache key: exact names, and every flag starting with a prefix.
 KEY_CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx_vnni_int8",
@@ -71,12 +86,18 @@ KEY_CPU_FLAG_PREFIXES = ("avx512", "amx")
 
 log = logging.getLogger(__name__)
 
-_MODULE: ModuleType | None = None
+_MODULE: ModuleType | None = None  # the chosen variant's module
 _PROBLEM: str | None = None
+_VARIANT: str | None = None
+_LOADED: dict[str, ModuleType] = {}  # variant -> its module, once imported here
 
 
 class KernelUnavailable(RuntimeError):
     """Flare's C++ kernels cannot run here; the message says why (CPU, compiler, build)."""
+
+
+class BuildFailed(KernelUnavailable):
+    """The compiler ran and failed: the same sources and flags fail the same way again."""
 
 
 def cpu_flags() -> frozenset[str] | None:
@@ -122,30 +143,53 @@ def cpu_problem() -> str | None:
     return None
 
 
+def variant_cflags(variant: str = variants.BASELINE) -> list[str]:
+    """The compiler flags of `variant`'s build: `CFLAGS` and the variant's own -m flags."""
+    return CFLAGS + list(variants.variant(variant).cflags)
+
+
+def isa_target(variant: str = variants.BASELINE) -> str:
+    """The instruction sets `variant`'s build targets (its -m flags), part of its cache
+    key and what /metrics reports: "x86-64+avx2+fma+f16c" for the baseline."""
+    return "x86-64+" + "+".join(f[2:] for f in variant_cflags(variant) if f.startswith("-m"))
+
+
+ISA_TARGET = isa_target()  # the baseline's
+
+
 def cache_root() -> Path:
     """The folder cached kernel builds live in: `<flare cache>/kernels`."""
     return default_cache_dir() / "kernels"
 
 
-def build_key() -> str:
-    """16 hex digits identifying a build: every source and header, compiler flags, torch,
-    Python, the machine, the instruction-set target (`ISA_TARGET`) and this CPU's flags
-    that matter (`key_cpu_flags`), so a module built on another CPU is never loaded."""
+def build_key(variant: str = variants.BASELINE) -> str:
+    """16 hex digits identifying a build of `variant`: every source and header, its
+    compiler flags, torch, Python, the machine, its instruction-set target (`isa_target`)
+    and this CPU's flags that matter (`key_cpu_flags`), so a module built for another CPU
+    or another variant is never loaded.
+
+    Raises:
+        ValueError: no variant has that name.
+    """
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    h.update("\0".join(CFLAGS + LDFLAGS + [torch.__version__, sys.version.split()[0],
-                                 platform.machine(), "isa=" + ISA_TARGET,
-                                 "cpu=" + ",".join(key_cpu_flags(cpu_flags()))]).encode())
+    h.update("\0".join(variant_cflags(variant) + LDFLAGS + [
+        torch.__version__, sys.version.split()[0], platform.machine(),
+        "isa=" + isa_target(variant), "cpu=" + ",".join(key_cpu_flags(cpu_flags()))]).encode())
     return h.hexdigest()[:16]
 
 
-def _import(name: str, path: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+def module_folder(variant: str = variants.BASELINE) -> Path:
+    """Where `variant`'s build lives: `<cache>/kernels/flare_qgemm_<variant>_<key>/`, the
+    module itself the .so of the same name inside."""
+    return cache_root() / f"flare_qgemm_{variant}_{build_key(variant)}"
+
+
+def module_file(variant: str = variants.BASELINE) -> Path:
+    """The extension file of `variant`'s build (which may not be built yet)."""
+    folder = module_folder(variant)
+    return folder / f"{folder.name}.so"
 
 
 def _report_build(folder: Path, done: threading.Event,
@@ -181,7 +225,35 @@ def _build_lock(final: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build(name: str, final: Path) -> ModuleType:
+def _compile(name: str, folder: Path, cflags: list[str]) -> None:
+    """Compile and link the sources into `<folder>/<name>.so` without importing it: a
+    variant first runs in the probe's child, since even its module's initializers may hold
+    instructions this CPU traps on. This is torch's build step without its load (a private
+    function, called with the arguments its signature names); a torch without it builds
+    the baseline with `cpp_extension.load` and no other variant."""
+    from torch.utils import cpp_extension
+
+    # copies: torch appends its own -L/-l flags to the list it is given, and `LDFLAGS`
+    # is part of every build key computed later in this process
+    cflags, ldflags = list(cflags), list(LDFLAGS)
+    build = getattr(cpp_extension, "_write_ninja_file_and_build_library", None)
+    if build is None:
+        if cflags != CFLAGS:
+            raise RuntimeError("this torch has no build step apart from its load")
+        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags,
+                           extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
+        return
+    args = {"name": name, "sources": [str(s) for s in SOURCES], "extra_cflags": cflags,
+            "extra_cuda_cflags": [], "extra_sycl_cflags": [], "extra_ldflags": ldflags,
+            "extra_include_paths": [], "build_directory": str(folder), "verbose": False,
+            "with_cuda": False, "with_sycl": False}
+    params = inspect.signature(build).parameters
+    build(**{k: v for k, v in args.items() if k in params})
+
+
+def _build(name: str, final: Path, cflags: list[str]) -> None:
+    """Build `<final>/<name>.so` with `cflags` (in a temporary sibling folder renamed into
+    place, see the module docstring); it is not imported."""
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
@@ -208,25 +280,129 @@ def _build(name: str, final: Path) -> ModuleType:
     watcher = threading.Thread(target=_report_build, args=(tmp, done), daemon=True)
     watcher.start()
     try:
-        module = cpp_extension.load(name=name, sources=[str(s) for s in SOURCES],
-                                    extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                                    build_directory=str(tmp),
-                                    verbose=False)
+        _compile(name, tmp, cflags)
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise KernelUnavailable(f"building Flare's kernels failed: {exc}") from exc
+        raise BuildFailed(f"building Flare's kernels failed: {exc}") from exc
     finally:
         done.set()
         watcher.join()
     try:
         os.rename(tmp, final)  # atomic; fails if another process got there first
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # the module stays mapped from memory
-    return module
+        shutil.rmtree(tmp, ignore_errors=True)  # the other's build is the same
+
+
+def _built(variant: str) -> Path:
+    """The .so of `variant`'s build, building it first where there is none (under the
+    build lock: a second process, a replica, waits and then finds it built)."""
+    final, so = module_folder(variant), module_file(variant)
+    if not so.is_file():
+        with _build_lock(final):
+            if not so.is_file():
+                _build(final.name, final, variant_cflags(variant))
+    return so
+
+
+def variant_module(variant: str) -> ModuleType:
+    """`variant`'s kernel module, built where needed (not probed: `isa_variant` decides
+    what runs; tests compare variants with this).
+
+    Raises:
+        KernelUnavailable: no compiler or ninja, or the build failed.
+        ValueError: no variant has that name.
+    """
+    if variant not in _LOADED:
+        _LOADED[variant] = import_extension(_built(variant))
+    return _LOADED[variant]
+
+
+def variant_rejected(variant: str) -> str | None:
+    """Why `variant` cannot run here although the CPU lists its flags (its build failed,
+    or its probe against the baseline did: a signal, an exit, a different result), or
+    None when it can. Decided once per build: the verdict is kept in
+    `<module folder>.probe.json`, keyed by both builds' keys.
+
+    Raises:
+        KernelUnavailable: the baseline cannot be built, or no variant can (no compiler
+            or ninja: nothing is decided then).
+    """
+    key, reference_key = build_key(variant), build_key(variants.BASELINE)
+    final = module_folder(variant)
+    verdict = final.parent / f"{final.name}.probe.json"
+    known, rejected = read_verdict(verdict, key, reference_key)
+    if known:
+        return rejected
+    reference = _built(variants.BASELINE)
+    try:
+        candidate = _built(variant)
+    except BuildFailed as exc:  # kept: a compiler too old for the variant's flags, say
+        rejected = f"its build failed: {str(exc)[:300]}"
+        write_verdict(verdict, key, reference_key, rejected)
+        return rejected
+    with _build_lock(final):  # processes starting together probe once
+        return cached_probe(verdict, key, reference_key, candidate, reference)
+
+
+def choose_variant(flags: frozenset[str] | None, forced: str | None = None) -> str:
+    """The variant to run on a CPU with /proc/cpuinfo `flags`: `forced` where given, else
+    the best candidate (`variants.candidates`) that `variant_rejected` accepts; the
+    baseline, never probed, is last. Builds and probes only candidates above the
+    baseline, so a CPU that lists no VNNI flags builds nothing here.
+
+    Raises:
+        KernelUnavailable: `forced` is no variant, the CPU lacks its flags, or it is
+            rejected (the message names it and why); the baseline cannot be built.
+    """
+    if forced is not None:
+        if forced not in variants.NAMES:
+            raise KernelUnavailable(f"{ISA_ENV}={forced}: no such kernel variant (the "
+                                    f"variants are {', '.join(variants.NAMES)})")
+        missing = variants.missing_flags(forced, flags)
+        if missing:
+            raise KernelUnavailable(f"{ISA_ENV}={forced}: the kernel variant {forced} "
+                                    f"cannot run here, the CPU lacks {', '.join(missing)} "
+                                    f"(from /proc/cpuinfo)")
+        rejected = None if forced == variants.BASELINE else variant_rejected(forced)
+        if rejected is not None:
+            raise KernelUnavailable(f"{ISA_ENV}={forced}: the kernel variant {forced} "
+                                    f"cannot run here, {rejected}")
+        return forced
+    for name in variants.candidates(flags):
+        if name == variants.BASELINE:
+            return name
+        rejected = variant_rejected(name)
+        if rejected is None:
+            return name
+        log.warning("Flare's %s kernels cannot run on this CPU although it lists their "
+                    "flags (%s); trying the next variant", name, rejected)
+    raise AssertionError("unreachable: the baseline is always a candidate")
+
+
+def isa_variant() -> str:
+    """The kernel variant this process runs: "avx512vnni", "avxvnni" or "avx2".
+
+    $FLARE_KERNEL_ISA where set, else `choose_variant` on this CPU's flags (building and
+    probing a candidate on first use, cached on disk); decided once per process and
+    logged once.
+
+    Raises:
+        KernelUnavailable: the CPU lacks AVX2/FMA/F16C, or as `choose_variant`.
+    """
+    global _VARIANT
+    if _VARIANT is None:
+        problem = cpu_problem()
+        if problem is not None:
+            raise KernelUnavailable(problem)
+        forced = os.environ.get(ISA_ENV, "").strip() or None
+        _VARIANT = choose_variant(cpu_flags(), forced)
+        log.info("Flare's CPU kernels: variant %s (%s)", _VARIANT, isa_target(_VARIANT))
+    return _VARIANT
 
 
 def qgemm() -> ModuleType:
-    """The compiled `qgemm` extension (built on first call, then cached on disk and here).
+    """The compiled `qgemm` extension of the variant `isa_variant()` chooses (built on
+    first call, then cached on disk and here).
 
     Functions (all float32, CPU, contiguous inputs; shapes as in qgemm.cpp):
         q4_linear(x [B, K], codes uint8 [N, K/2], scales [N, K/32], mins [N, K/32])
@@ -248,8 +424,9 @@ def qgemm() -> ModuleType:
             the rows that sample, in one call (layers.cpp, `flare.models.native_layers`)
 
     Raises:
-        KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, or the build
-            failed (message says which); the reason is remembered for this process.
+        KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, the build
+            failed, or $FLARE_KERNEL_ISA names a variant that cannot run here (message
+            says which); the reason is remembered for this process.
     """
     global _MODULE, _PROBLEM
     if _MODULE is not None:
@@ -257,17 +434,7 @@ def qgemm() -> ModuleType:
     if _PROBLEM is not None:
         raise KernelUnavailable(_PROBLEM)
     try:
-        problem = cpu_problem()
-        if problem is not None:
-            raise KernelUnavailable(problem)
-        name = f"flare_qgemm_{build_key()}"
-        final = cache_root() / name
-        so = final / f"{name}.so"
-        if so.is_file():
-            _MODULE = _import(name, so)
-        else:
-            with _build_lock(final):  # a second process (a replica) waits, then loads it
-                _MODULE = _import(name, so) if so.is_file() else _build(name, final)
+        _MODULE = variant_module(isa_variant())
     except KernelUnavailable as exc:
         _PROBLEM = str(exc)
         raise

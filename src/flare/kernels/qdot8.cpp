@@ -41,6 +41,17 @@
 //       float16 d per super-block; the two half-block sums are scaled by their integer
 //       scales in int32 (exact), then by d * dx.
 // Every row of x is still computed by the same instructions whatever the batch.
+//
+// Instruction-set variants (`flare.kernels.variants`): the same source is built with
+// -mavxvnni (AVX-VNNI) and with -mavx512vnni -mavx512vl (AVX-512 VNNI), where one
+// `vpdpbusd` (u8 x s8, four products and the accumulator added in int32) replaces each
+// `vpmaddubsw` + `vpmaddwd` pair (`FLARE_DPBUSD` below). The results are identical bit for
+// bit: the unsigned operand is a q4 code (0..15), a q5 code (0..31) or, with the sign
+// moved onto the activation, |c| of a q8 (<= 127) or q6k (<= 32) code, and every
+// activation is within -127..127, so no vpmaddubsw pair sum saturates and no int16 partial
+// sum wraps (the bounds are at each sum below). A block's integer sum is then the exact
+// sum of its products on both paths, and the float32 scale math after it is the same
+// instructions in the same order.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -140,6 +151,19 @@ inline __m256i broadcast_dword(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define FLARE_DPBUSD 1
+// acc + (per dword lane) the sum of the 4 products u8 u[j] x s8 s[j], in int32 (wraps,
+// never saturates; the sums here stay far below 2^31)
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#endif
+
 // 8 float16 values at p, widened to float32
 inline __m256 load_half8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -185,7 +209,7 @@ inline void q4_group(const uint8_t* pc, const Scales& scales, const int8_t* xq,
                      const float* xd, const float* xs, int64_t K, __m256* acc) {
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with FLARE_DPBUSD
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
@@ -199,12 +223,18 @@ inline void q4_group(const uint8_t* pc, const Scales& scales, const int8_t* xq,
     scales(kb, d8, m8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
+#ifdef FLARE_DPBUSD
+      __m256i s32 = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) s32 = dpbusd(s32, w[s], broadcast_dword(xb + 4 * s));
+      const __m256 p = _mm256_cvtepi32_ps(s32);
+#else
       // each int16 pair sum is at most 2 * 15 * 127 = 3810 in magnitude: 8 of them add
       // up without overflow
       __m256i s16 = _mm256_maddubs_epi16(w[0], broadcast_dword(xb));
       for (int s = 1; s < 8; ++s)
         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], broadcast_dword(xb + 4 * s)));
       const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+#endif
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
       acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
     }
@@ -222,7 +252,7 @@ inline void q5_group(const uint8_t* pc, const uint8_t* ph, const Scales& scales,
   const int64_t nb = K / QK;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i bit4 = _mm256_set1_epi8(0x10);
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with FLARE_DPBUSD
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
@@ -246,6 +276,11 @@ inline void q5_group(const uint8_t* pc, const uint8_t* ph, const Scales& scales,
     scales(kb, d8, m8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
+#ifdef FLARE_DPBUSD
+      __m256i s32 = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) s32 = dpbusd(s32, w[s], broadcast_dword(xb + 4 * s));
+      const __m256 p = _mm256_cvtepi32_ps(s32);
+#else
       // a pair sum is at most 2 * 31 * 127 = 7874: four add up in int16 (31496), so the
       // block's two halves go to int32 apart
       __m256i a16 = _mm256_maddubs_epi16(w[0], broadcast_dword(xb));
@@ -257,6 +292,7 @@ inline void q5_group(const uint8_t* pc, const uint8_t* ph, const Scales& scales,
       }
       const __m256 p = _mm256_cvtepi32_ps(
           _mm256_add_epi32(_mm256_madd_epi16(a16, ones), _mm256_madd_epi16(b16, ones)));
+#endif
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
       acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
     }
@@ -270,6 +306,13 @@ inline __m256i scale_pairs(const int8_t* p) {
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
                          _mm256_slli_epi32(v, 16));
 }
+
+#ifdef FLARE_DPBUSD
+// 8 int8 scales at p (one per row) as int32 lanes
+inline __m256i scale_dwords(const int8_t* p) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 
 // R rows of quantized x against one Q6_K group: codes c = q - 32 (int8, -32..31) in the
 // q8 layout, int8 scales per 16 values ([nb * 2, 8]: block kb's halves at 16 kb and
@@ -289,10 +332,25 @@ inline void q6k_group(const int8_t* pc, const int8_t* psc, const at::Half* pd,
       raw[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
       mag[ch] = _mm256_sign_epi8(raw[ch], raw[ch]);  // |c| <= 32
     }
+#ifdef FLARE_DPBUSD
+    const __m256i lo = scale_dwords(psc + kb * 16), hi = scale_dwords(psc + kb * 16 + 8);
+#else
     const __m256i lo = scale_pairs(psc + kb * 16), hi = scale_pairs(psc + kb * 16 + 8);
+#endif
     const __m256 d8 = load_half8(pd + (kb / 8) * 8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
+#ifdef FLARE_DPBUSD
+      // each half's sum is at most 16 * 32 * 127 = 65024: times a scale, far below 2^31
+      __m256i a32 = _mm256_setzero_si256(), b32 = _mm256_setzero_si256();
+      for (int ch = 0; ch < 4; ++ch) {
+        a32 = dpbusd(a32, mag[ch], _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch]));
+        b32 = dpbusd(b32, mag[ch + 4],
+                     _mm256_sign_epi8(broadcast_dword(xb + 16 + 4 * ch), raw[ch + 4]));
+      }
+      const __m256i p = _mm256_add_epi32(_mm256_mullo_epi32(a32, lo),
+                                         _mm256_mullo_epi32(b32, hi));
+#else
       // a pair sum is at most 2 * 32 * 127 = 8128: four add up in int16 (32512)
       __m256i a16 = _mm256_maddubs_epi16(mag[0], _mm256_sign_epi8(broadcast_dword(xb), raw[0]));
       __m256i b16 = _mm256_maddubs_epi16(mag[4],
@@ -304,6 +362,7 @@ inline void q6k_group(const int8_t* pc, const int8_t* psc, const at::Half* pd,
             mag[ch + 4], _mm256_sign_epi8(broadcast_dword(xb + 16 + 4 * ch), raw[ch + 4])));
       }
       const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(a16, lo), _mm256_madd_epi16(b16, hi));
+#endif
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),
                                _mm256_cvtepi32_ps(p), acc[r]);
     }
@@ -315,7 +374,7 @@ template <int R>
 inline void q8_group(const int8_t* pc, const at::Half* ps, const int8_t* xq, const float* xd,
                      int64_t K, __m256* acc) {
   const int64_t nb = K / QK;
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with FLARE_DPBUSD
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const int8_t* cb = pc + kb * 256;
@@ -327,12 +386,16 @@ inline void q8_group(const int8_t* pc, const at::Half* ps, const int8_t* xq, con
     const __m256 d8 = load_half8(ps + kb * 8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
-      // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127, so each goes to
-      // int32 before the next is added
+      // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127 = 32258 (no
+      // saturation), so each goes to int32 before the next is added
       __m256i s32 = _mm256_setzero_si256();
       for (int ch = 0; ch < 8; ++ch) {
         const __m256i xs = _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch]);
+#ifdef FLARE_DPBUSD
+        s32 = dpbusd(s32, mag[ch], xs);
+#else
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs), ones));
+#endif
       }
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),
                                _mm256_cvtepi32_ps(s32), acc[r]);

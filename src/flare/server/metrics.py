@@ -26,7 +26,8 @@ of a request opens the series (it is time to first token, not an inter-token gap
 
 `flare_build_info` is a gauge of value 1 whose labels say what is served: `version`
 (flare's), `package_id`, `format` (the weight format recorded in the manifest's tuning),
-`kernel_variant` (the CPU kernels' instruction-set target, or the CUDA device class) and
+`kernel_variant` (the instruction-set target of the CPU kernel variant this process runs,
+`flare.kernels.isa_variant`, e.g. "x86-64+avx2+fma+f16c", or the CUDA device class) and
 `device_class`.
 """
 
@@ -76,9 +77,12 @@ def build_labels(manifest: Any | None, package_id: str = "") -> dict[str, str]:
     tuning = getattr(manifest, "tuning", None) or {}
     device_class = str(getattr(manifest, "device_class", "") or "unknown")
     if device_class == "cpu":
-        from flare.kernels import ISA_TARGET  # no build: a constant of the module
+        from flare.kernels import ISA_TARGET, KernelUnavailable, isa_target, isa_variant
 
-        variant = ISA_TARGET
+        try:  # chosen when the engine loaded its kernels; no build where there is none
+            variant = isa_target(isa_variant())
+        except KernelUnavailable:  # the CPU or $FLARE_KERNEL_ISA rules them out
+            variant = ISA_TARGET
     else:
         variant = device_class
     return {

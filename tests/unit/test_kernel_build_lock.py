@@ -13,9 +13,9 @@ import time
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from flare.kernels import _build_lock
+    from flare.kernels.build import build_lock
     final, hold = Path(sys.argv[1]), float(sys.argv[2])
-    with _build_lock(final):
+    with build_lock(final):
         so = final / "module.so"
         if so.is_file():
             print("loaded", flush=True)

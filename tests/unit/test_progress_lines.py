@@ -40,11 +40,11 @@ def test_disabled_progress_prints_nothing():
 
 
 def test_kernel_build_reports_compiled_sources_as_lines(tmp_path, caplog):
-    from flare.kernels import SOURCES, _report_build
+    from flare.kernels.build import SOURCES, report_build
 
     done = threading.Event()
     with caplog.at_level(logging.WARNING, logger="flare.kernels"):
-        watcher = threading.Thread(target=_report_build, args=(tmp_path, done, 0.02))
+        watcher = threading.Thread(target=report_build, args=(tmp_path, done, 0.02))
         watcher.start()
         time.sleep(0.1)
         (tmp_path / "qgemm.o").write_bytes(b"")

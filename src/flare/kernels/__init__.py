@@ -33,24 +33,18 @@ instruction set. A build runs in a private temporary
 sibling folder that is renamed into place when complete, so two processes building at
 once both succeed (the loser of the rename discards its copy) and a reader never sees a
 half-built module. Later processes import the cached module directly (no compiler or
-ninja needed then). The first build takes about a minute on 2 cores (two builds on a CPU
+ninja needed then; `flare.kernels.build` holds the sources, the flags and the build
+itself). The first build takes about a minute on 2 cores (two builds on a CPU
 that lists VNNI flags: the baseline, which the probe compares against, and the variant).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import inspect
 import logging
 import os
 import platform
-import shutil
 import sys
-import threading
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -58,6 +52,16 @@ import torch
 
 from flare.cache_dir import default_cache_dir
 from flare.kernels import variants
+from flare.kernels.build import (  # the public names stay importable from flare.kernels
+    CFLAGS,
+    HEADERS,
+    LDFLAGS,
+    SOURCES,
+    BuildFailed,
+    KernelUnavailable,
+    build_lock,
+    build_module,
+)
 from flare.kernels.probe import (
     cached_probe,
     import_extension,
@@ -65,18 +69,6 @@ from flare.kernels.probe import (
     write_verdict,
 )
 
-SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp",
-                                                 "attention.cpp", "recurrent.cpp", "dense.cpp",
-                                                 "layers.cpp")]
-SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
-HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h", "ops.h")]  # included by the sources
-# -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp
-# parallel`; compiled without OpenMP it runs every call on one thread. The module then
-# needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
-# so the kernels share torch's thread pool and its torch.set_num_threads setting.
-BUILD_REPORT_S = 10.0  # seconds between two progress lines of a build
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]  # the baseline's
-LDFLAGS = ["-fopenmp"]
 ISA_ENV = "FLARE_KERNEL_ISA"  # forces a variant: avx2, avxvnni or avx512vnni
 # /proc/cpuinfo flags that decide which kernels a CPU can run (now or in per-variant
 # builds), part of the cache key: exact names, and every flag starting with a prefix.
@@ -90,14 +82,6 @@ _MODULE: ModuleType | None = None  # the chosen variant's module
 _PROBLEM: str | None = None
 _VARIANT: str | None = None
 _LOADED: dict[str, ModuleType] = {}  # variant -> its module, once imported here
-
-
-class KernelUnavailable(RuntimeError):
-    """Flare's C++ kernels cannot run here; the message says why (CPU, compiler, build)."""
-
-
-class BuildFailed(KernelUnavailable):
-    """The compiler ran and failed: the same sources and flags fail the same way again."""
 
 
 def cpu_flags() -> frozenset[str] | None:
@@ -192,115 +176,14 @@ def module_file(variant: str = variants.BASELINE) -> Path:
     return folder / f"{folder.name}.so"
 
 
-def _report_build(folder: Path, done: threading.Event,
-                  interval_s: float = BUILD_REPORT_S) -> None:
-    """Log the build's progress as lines (never a carriage-return bar): every
-    `interval_s` seconds, the compiled objects of `SOURCES` in `folder` as a percentage
-    (the link is the last step), until `done` is set."""
-    start = time.monotonic()
-    while not done.wait(interval_s):
-        compiled = len(list(folder.glob("*.o")))
-        log.warning("building Flare's CPU kernels: %d%% (%d/%d sources compiled, %.0f s)",
-                    100 * compiled // (len(SOURCES) + 1), compiled, len(SOURCES),
-                    time.monotonic() - start)
-
-
-@contextlib.contextmanager
-def _build_lock(final: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `<final>.lock` (flock; released if the process dies), so
-    processes that start together on a fresh machine build one key once: the others wait
-    and load what the first built. Without flock (not POSIX) each builds its own copy,
-    which the atomic rename in `_build` keeps safe."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(final.parent / f"{final.name}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _compile(name: str, folder: Path, cflags: list[str]) -> None:
-    """Compile and link the sources into `<folder>/<name>.so` without importing it: a
-    variant first runs in the probe's child, since even its module's initializers may hold
-    instructions this CPU traps on. This is torch's build step without its load (a private
-    function, called with the arguments its signature names); a torch without it builds
-    the baseline with `cpp_extension.load` and no other variant."""
-    from torch.utils import cpp_extension
-
-    # copies: torch appends its own -L/-l flags to the list it is given, and `LDFLAGS`
-    # is part of every build key computed later in this process
-    cflags, ldflags = list(cflags), list(LDFLAGS)
-    build = getattr(cpp_extension, "_write_ninja_file_and_build_library", None)
-    if build is None:
-        if cflags != CFLAGS:
-            raise RuntimeError("this torch has no build step apart from its load")
-        cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=cflags,
-                           extra_ldflags=ldflags, build_directory=str(folder), verbose=False)
-        return
-    args = {"name": name, "sources": [str(s) for s in SOURCES], "extra_cflags": cflags,
-            "extra_cuda_cflags": [], "extra_sycl_cflags": [], "extra_ldflags": ldflags,
-            "extra_include_paths": [], "build_directory": str(folder), "verbose": False,
-            "with_cuda": False, "with_sycl": False}
-    params = inspect.signature(build).parameters
-    build(**{k: v for k, v in args.items() if k in params})
-
-
-def _build(name: str, final: Path, cflags: list[str]) -> None:
-    """Build `<final>/<name>.so` with `cflags` (in a temporary sibling folder renamed into
-    place, see the module docstring); it is not imported."""
-    from torch.utils import cpp_extension
-
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise KernelUnavailable(f"no C++ compiler ({cxx!r} not found on PATH) to build "
-                                f"Flare's kernels")
-    if not cpp_extension.is_ninja_available():
-        try:  # the `ninja` wheel (a dependency) puts its binary in the environment's bin,
-            import ninja  # which is not on PATH when the environment is not activated
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except (ImportError, AttributeError):
-            pass
-    if not cpp_extension.is_ninja_available():
-        raise KernelUnavailable("ninja is not installed (pip install ninja); torch needs it "
-                                "to build Flare's kernels")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # a notice, not an error: the first start on a machine waits for the compiler
-    log.warning("building Flare's CPU kernels once for this machine (about 1-2 minutes), "
-                "cached in %s", final.parent)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    done = threading.Event()
-    watcher = threading.Thread(target=_report_build, args=(tmp, done), daemon=True)
-    watcher.start()
-    try:
-        _compile(name, tmp, cflags)
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BuildFailed(f"building Flare's kernels failed: {exc}") from exc
-    finally:
-        done.set()
-        watcher.join()
-    try:
-        os.rename(tmp, final)  # atomic; fails if another process got there first
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # the other's build is the same
-
-
 def _built(variant: str) -> Path:
     """The .so of `variant`'s build, building it first where there is none (under the
     build lock: a second process, a replica, waits and then finds it built)."""
     final, so = module_folder(variant), module_file(variant)
     if not so.is_file():
-        with _build_lock(final):
+        with build_lock(final):
             if not so.is_file():
-                _build(final.name, final, variant_cflags(variant))
+                build_module(final.name, final, variant_cflags(variant))
     return so
 
 
@@ -340,7 +223,7 @@ def variant_rejected(variant: str) -> str | None:
         rejected = f"its build failed: {str(exc)[:300]}"
         write_verdict(verdict, key, reference_key, rejected)
         return rejected
-    with _build_lock(final):  # processes starting together probe once
+    with build_lock(final):  # processes starting together probe once
         return cached_probe(verdict, key, reference_key, candidate, reference)
 
 

@@ -18,13 +18,10 @@ import importlib.util
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Self
 
-import httpx
-
-from flare.serve_child import free_port, log_tail, stop_process
+from flare.serve_child import ServerStartError, free_port, stop_process, wait_healthy
 
 
 def server_problem() -> str | None:
@@ -42,8 +39,9 @@ def server_problem() -> str | None:
 class LlamaCppServer:
     """llama.cpp's server on `gguf` at 127.0.0.1:<free port>, logging to `log_path`.
 
-    A context manager: started on enter (raises RuntimeError, with the log's tail, when
-    it exits or is not answering after `startup_timeout` s), stopped on exit.
+    A context manager: started on enter (raises `ServerStartError`, a RuntimeError
+    ending with the log's tail, when it exits or does not answer /v1/models within
+    `startup_timeout` s), stopped on exit.
     """
 
     def __init__(self, gguf: Path, threads: int, log_path: Path, n_ctx: int = 8192,
@@ -67,21 +65,13 @@ class LlamaCppServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"llama_cpp.server exited before it answered; the end "
-                                   f"of {self.log_path}:\n{log_tail(self.log_path, 600)}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"llama_cpp.server was not answering after "
-                           f"{self.startup_timeout:.0f} s; see {self.log_path}")
+        try:
+            wait_healthy(self.proc, self.url, self.log_path, self.startup_timeout,
+                         path="/v1/models", name="llama_cpp.server")
+        except ServerStartError:
+            self.stop()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -56,15 +56,18 @@ def log_tail(log_path: Path, chars: int = 2000) -> str:
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float,
-                 started: float | None = None) -> None:
-    """Poll GET `url`/health until it answers 200.
+                 started: float | None = None, path: str = "/health",
+                 name: str = "flare serve") -> None:
+    """Poll GET `url``path` until it answers 200.
 
     Args:
-        proc: the `flare serve` child.
+        proc: the server child (`flare serve`, or a peer server named by `name`).
         url: its base URL, e.g. "http://127.0.0.1:8123".
         log_path: its log, whose tail ends the error messages.
         timeout_s: seconds allowed, counted from `started` (a `time.monotonic()` reading;
             None: now).
+        path: what to poll: /health for Flare; a peer without it, e.g. /v1/models.
+        name: what the error messages call the child.
 
     Raises:
         ServerStartError: the child exited first, or `timeout_s` passed (the child is left
@@ -74,15 +77,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: fl
     while True:
         code = proc.poll()
         if code is not None:
-            raise ServerStartError(f"flare serve exited with status {code} before it "
+            raise ServerStartError(f"{name} exited with status {code} before it "
                                    f"answered; the end of {log_path}:\n{log_tail(log_path)}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise ServerStartError(f"flare serve did not answer /health within "
+            raise ServerStartError(f"{name} did not answer {path} within "
                                    f"{timeout_s:.0f} s; the end of {log_path}:\n"
                                    f"{log_tail(log_path)}")
         time.sleep(POLL_S)

@@ -49,15 +49,12 @@ def isa_flags(flags: frozenset[str] | None) -> list[str]:
 
 
 def kernel_variant() -> str:
-    """The kernel variant Flare runs here, where `flare.kernels` has `isa_variant()`;
-    else the one instruction-set target it builds (`ISA_TARGET`)."""
-    pick = getattr(kernels, "isa_variant", None)
-    if callable(pick):
-        try:
-            return str(pick())
-        except (RuntimeError, OSError) as exc:  # a bench line, never a crash: say why
-            return f"isa_variant() raised {type(exc).__name__}: {exc}"
-    return f"{kernels.ISA_TARGET} (one build; no isa_variant())"
+    """The kernel variant Flare runs here (`flare.kernels.isa_variant()`), or why none
+    can be had (a bench line, never a crash)."""
+    try:
+        return kernels.isa_variant()
+    except (RuntimeError, OSError) as exc:
+        return f"isa_variant() raised {type(exc).__name__}: {exc}"
 
 
 def best_rate(work: float, call: Callable[[], object], min_s: float = 0.1,

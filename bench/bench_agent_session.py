@@ -153,8 +153,11 @@ def against_llama_cpp(gguf: Path, threads: int, turns: int, max_tokens: int,
 
     Returns {"corpus", "turns" (done), "flare" and "llama.cpp" (median TTFT ms over
     turns 2 on, None when fewer than 2 ran), "peer_problem" (why llama.cpp has no
-    figure, or None)}. Raises ServerStartError when Flare's server does not start.
+    figure, or None), "flare_peak_rss" (the Flare server's VmHWM after the turns, bytes;
+    None where /proc cannot tell), "report_total" (its package's memory report total,
+    bytes)}. Raises ServerStartError when Flare's server does not start.
     """
+    from bench_memory import memory_report, proc_memory
     from llama_cpp_server import LlamaCppServer, server_problem
 
     package = default_package(folder)
@@ -174,9 +177,14 @@ def against_llama_cpp(gguf: Path, threads: int, turns: int, max_tokens: int,
                 render = chat_renderer(package)
                 targets["llama.cpp"] = lambda m: peer_ttft(peer.url, render(m), max_tokens)
         rows = session_ttfts(requests, targets, time.monotonic() + budget_s)
+        try:  # read while the server still runs: its peak over start-up and every turn
+            peak = proc_memory(flare.proc.pid)["VmHWM"]
+        except (OSError, KeyError):
+            peak = None
     return {"corpus": name, "turns": len(rows), "flare": later_median(rows, "flare"),
             "llama.cpp": later_median(rows, "llama.cpp") if problem is None else None,
-            "peer_problem": problem}
+            "peer_problem": problem, "flare_peak_rss": peak,
+            "report_total": memory_report(package)["total_bytes"]}
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ Q6_K, `--kquants`) that llama.cpp's quantizer writes from the embedded GGUF
 against the file's size; and the 20-turn agent session (`bench_agent_session`): median
 TTFT over turns 2-20 of `flare serve` on the default package (prefix cache on) beside
 llama.cpp's server with its prompt cache (`--cache true`), both started here, the turns
-bounded by `--session-budget` seconds.
+bounded by `--session-budget` seconds; after the turns, that server's peak RSS (VmHWM)
+against its package's memory report, whose bound is the report + 300 MiB.
 
 Each throughput is followed by its share of the machine's limit (`machine_limits`,
 measured after the rounds, printed with the CPU model, its instruction-set flags and
@@ -78,6 +79,7 @@ from flare.models.quant.storage import convert_tensors
 from flare.runtime.request import GenerationRequest, SamplingParams
 
 SHORT_PROMPT = 32  # tokens before decode starts
+RSS_MARGIN_MIB = 300  # peak RSS may pass the memory report by this much
 EXTEND_BASE, EXTEND_NEW = 2048, 50  # the cached prompt, and the turn that extends it
 MIB = 2 ** 20
 
@@ -360,7 +362,8 @@ def figure_share(cfg, limits: Limits, col: Column, row: str, value: float, conte
 
 
 def session_line(gguf: Path, fmt: str, threads: int, turns: int, budget_s: float) -> str:
-    """The agent session's medians against llama.cpp's server, as one line."""
+    """The agent session's medians against llama.cpp's server, and the Flare server's peak
+    RSS against its memory report: two lines."""
     from bench_agent_session import against_llama_cpp
 
     from flare.serve_child import ServerStartError
@@ -378,9 +381,23 @@ def session_line(gguf: Path, fmt: str, threads: int, turns: int, budget_s: float
         return head + "none (fewer than 2 turns ran)"
     flare = f"flare serve (default package, {fmt}, prefix cache) {r['flare']:.0f} ms"
     if r["llama.cpp"] is None:
-        return head + f"{flare}; llama.cpp server: {r['peer_problem']}"
-    return (head + f"{flare}, llama.cpp server (--cache true) {r['llama.cpp']:.0f} ms; "
-            f"llama.cpp / flare {r['llama.cpp'] / r['flare']:.2f}")
+        line = head + f"{flare}; llama.cpp server: {r['peer_problem']}"
+    else:
+        line = (head + f"{flare}, llama.cpp server (--cache true) {r['llama.cpp']:.0f} ms; "
+                f"llama.cpp / flare {r['llama.cpp'] / r['flare']:.2f}")
+    return line + "\n" + peak_rss_line(r["flare_peak_rss"], r["report_total"])
+
+
+def peak_rss_line(peak: int | None, report_total: int) -> str:
+    """The Flare server's peak RSS (bytes, None when unread) against its package's memory
+    report total (bytes) and the issue's bound, report + `RSS_MARGIN_MIB`, as one line."""
+    report = f"memory report total {report_total / MIB:.0f} MiB"
+    if peak is None:
+        return f"flare serve peak RSS: unread (no /proc here); {report}"
+    over = (peak - report_total) / MIB
+    return (f"flare serve peak RSS (VmHWM after the session) {peak / MIB:.0f} MiB; {report}; "
+            f"peak - report {over:+.0f} MiB (bound +{RSS_MARGIN_MIB} MiB: "
+            f"{'within' if over <= RSS_MARGIN_MIB else 'over'})")
 
 
 def main() -> None:

@@ -40,6 +40,7 @@ that lists VNNI flags: the baseline, which the probe compares against, and the v
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -146,6 +147,16 @@ def cache_root() -> Path:
     return default_cache_dir() / "kernels"
 
 
+@functools.cache
+def _sources_digest() -> bytes:
+    """sha256 of every kernel source and header (names and bytes), read once a process:
+    the sources ship with the package and do not change under a running one."""
+    h = hashlib.sha256()
+    for src in SOURCES + HEADERS:
+        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    return h.digest()
+
+
 def build_key(variant: str = variants.BASELINE) -> str:
     """16 hex digits identifying a build of `variant`: every source and header, its
     compiler flags, torch, Python, the machine, its instruction-set target (`isa_target`)
@@ -155,9 +166,7 @@ def build_key(variant: str = variants.BASELINE) -> str:
     Raises:
         ValueError: no variant has that name.
     """
-    h = hashlib.sha256()
-    for src in SOURCES + HEADERS:
-        h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h = hashlib.sha256(_sources_digest())
     h.update("\0".join(variant_cflags(variant) + LDFLAGS + [
         torch.__version__, sys.version.split()[0], platform.machine(),
         "isa=" + isa_target(variant), "cpu=" + ",".join(key_cpu_flags(cpu_flags()))]).encode())

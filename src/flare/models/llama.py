@@ -248,7 +248,10 @@ class LlamaModel:
             logits = native_forward(native, x, positions64, slots, batch, kv, rows)
             if logits is not None:
                 return logits
-        hidden = self.forward(input_ids, positions, batch, kv)
+            # the SDPA fallback: x is untouched, so the loop takes it as it is
+            hidden = self._fused_layers(x, positions64, slots, batch, kv)
+        else:
+            hidden = self.forward(input_ids, positions, batch, kv)
         if not rows:
             return None
         return self.logits(hidden[torch.tensor(rows, device=hidden.device)])
@@ -345,15 +348,21 @@ class LlamaModel:
         next norm's output (the post-attention norm, the next layer's input norm, or the
         final norm). Where `self.native` (`flare.models.native_layers`) covers the
         weights and the step, all layers run in one native call of the same kernels in
-        the same order (bit-identical); the loop below is that call's reference."""
-        ops = self.fused_ops
-        h, kvh, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
-        t = input_ids.shape[0]
+        the same order (bit-identical); `_fused_layers` is that call's reference."""
         x, positions, slots = self._fused_inputs(input_ids, positions, batch)
         if self.native is not None:
             y = native_forward(self.native, x, positions, slots, batch, kv)
             if y is not None:
                 return y
+        return self._fused_layers(x, positions, slots, batch, kv)
+
+    def _fused_layers(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      batch: AttentionBatch, kv: KVCache) -> torch.Tensor:
+        """The fused ops' layer loop on `_fused_inputs`' x (float32 [T, hidden], updated in
+        place), positions and slots (int64 [T]): the final norm's output [T, hidden]."""
+        ops = self.fused_ops
+        h, kvh, d, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        t = x.shape[0]
         k_cache, v_cache = kv.k_layers, kv.v_layers
         layers = self.layers
         y = ops.rms_norm(x, layers[0].input_norm, eps)

@@ -98,10 +98,21 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def written_through(url: str, timeout: float = 30) -> None:
+def remote_puts(url: str) -> float:
+    """Records the replica at `url` has put in Redis: written, or found already stored."""
+    return (metric(url, "flare_remote_tier_written_total")
+            + metric(url, "flare_remote_tier_touched_total"))
+
+
+def written_through(url: str, since: float, timeout: float = 60) -> None:
+    """Wait until the replica at `url` has put a finished request's state in Redis: more
+    puts than `since` (its `remote_puts` before the request) and nothing still queued.
+    (No pending transfer alone is not enough: right after the response, the finish's
+    write may not be queued yet, and records wait in the outbox behind a pending write.)"""
     deadline = time.monotonic() + timeout
-    while metric(url, "flare_transfer_pending") > 0:
-        assert time.monotonic() < deadline
+    while not (remote_puts(url) > since and metric(url, "flare_transfer_pending") == 0
+               and metric(url, "flare_tier_writes_waiting_records") == 0):
+        assert time.monotonic() < deadline, f"{url} wrote nothing to Redis in {timeout} s"
         time.sleep(0.05)
 
 
@@ -109,8 +120,9 @@ def test_conversation_started_on_a_continues_on_b_restored_from_redis(cluster):
     c = cluster
     turn1 = [SYSTEM, {"role": "user", "content": "List four colours of the rainbow, "
                                                  "one per line, and nothing else."}]
+    puts = remote_puts(c["a"].url)
     first = chat(c, c["a"].url, turn1)
-    written_through(c["a"].url)
+    written_through(c["a"].url, puts)
     turn2 = turn1 + [{"role": "assistant", "content": text(first)},
                      {"role": "user", "content": "Now two more."}]
     got = chat(c, c["b"].url, turn2)
@@ -158,12 +170,13 @@ def test_gateway_polls_each_replicas_load(cluster):
 
 def test_previous_response_id_continues_on_the_other_replica(cluster):
     c = cluster
+    puts_a, puts_b = remote_puts(c["a"].url), remote_puts(c["b"].url)
     first = respond(c, c["a"].url, "Name a colour of the sea.")
-    written_through(c["a"].url)
+    written_through(c["a"].url, puts_a)
     second = respond(c, c["b"].url, "And of the sky?", first["id"])  # found through Redis
     assert second["flare"]["continuation"] == "exact"
     assert second["usage"]["input_tokens_details"]["cached_tokens"] > 0
-    written_through(c["b"].url)
+    written_through(c["b"].url, puts_b)
     third = respond(c, c["a"].url, "And of grass?", second["id"])
     assert third["flare"]["continuation"] == "exact"
     assert third["usage"]["input_tokens_details"]["cached_tokens"] > 0

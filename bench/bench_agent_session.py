@@ -73,12 +73,17 @@ def _client() -> httpx.Client:
     return httpx.Client(timeout=600)
 
 
+@functools.cache
+def _model_id(url: str) -> str:
+    """The id of the model the server at `url` serves (asked once a server)."""
+    return _client().get(f"{url}/v1/models").json()["data"][0]["id"]
+
+
 def _streamed_ttft(url: str, path: str, body: dict, has_text) -> tuple[float, dict]:
     """(client-clock ms from sending `body` to `path` until the first SSE event that
     `has_text`, the usage chunk if the server sent one), reading the stream to its end."""
     client = _client()
-    body = {**body, "model": client.get(f"{url}/v1/models").json()["data"][0]["id"],
-            "temperature": 0, "stream": True}
+    body = {**body, "model": _model_id(url), "temperature": 0, "stream": True}
     first, usage = None, {}
     t0 = time.monotonic_ns()
     with client.stream("POST", f"{url}{path}", json=body) as r:

@@ -76,12 +76,9 @@ inline void scores_2x4(const float* qa, const float* qb, const float* const* ks,
       acc[4 + c] = _mm256_fmadd_ps(y, kv, acc[4 + c]);
     }
   }
-  alignas(32) float s[8];
-  _mm256_store_ps(s, _mm256_mul_ps(hsum8x8(acc), scv));
-  for (int c = 0; c < 4; ++c) {
-    pa[c] = s[c];
-    pb[c] = s[4 + c];
-  }
+  const __m256 s = _mm256_mul_ps(hsum8x8(acc), scv);
+  _mm_storeu_ps(pa, _mm256_castps256_ps128(s));  // (b == a: the same four values twice)
+  _mm_storeu_ps(pb, _mm256_extractf128_ps(s, 1));
 }
 
 // the scalar form for D not a multiple of 8 (one order, used by every path alike)
@@ -138,16 +135,33 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const fl
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
 }
 
+// NR rows over D in chunks of 8 NV lanes. A chunk holds NR x NV accumulators, NV of V and
+// one broadcast p in the 16 ymm registers: one more and the compiler keeps an accumulator
+// on the stack, which chains every FMA of it through a store and a load (3 x 4 did: the
+// whole PV pass ran at half speed). Several rows share each V load; which rows share it
+// never changes a lane's chain.
 template <int NR, typename Slot>
 inline void pv_rows(const float* const* p, float* const* o, int64_t D, const float* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+  constexpr int NV = NR == 1 ? 4 : 2;
+  static_assert(NR * NV + NV + 1 <= 16, "the PV tile must fit the ymm registers");
   int64_t d0 = 0;
-  for (; d0 + 32 <= D; d0 += 32) pv_tile<NR, 4>(p, o, d0, v, stride, slot, j0, j1);
-  switch ((D - d0) / 8) {
-    case 3: pv_tile<NR, 3>(p, o, d0, v, stride, slot, j0, j1); break;
-    case 2: pv_tile<NR, 2>(p, o, d0, v, stride, slot, j0, j1); break;
-    case 1: pv_tile<NR, 1>(p, o, d0, v, stride, slot, j0, j1); break;
-    default: break;
+  for (; d0 + 8 * NV <= D; d0 += 8 * NV) pv_tile<NR, NV>(p, o, d0, v, stride, slot, j0, j1);
+  for (; d0 + 8 <= D; d0 += 8) pv_tile<NR, 1>(p, o, d0, v, stride, slot, j0, j1);
+}
+
+// Rows r .. r + NR of a tile over keys [j0, j1) of their own: together over the keys all
+// of them see, then each alone over the rest
+template <int NR, typename Slot>
+inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const float* v,
+                     int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+  int64_t common = j1;
+  for (int i = r; i < r + NR; ++i) common = std::min(common, t.n[i]);
+  if (common > j0) pv_rows<NR>(pr + r, t.o + r, D, v, stride, slot, j0, common);
+  if (NR == 1) return;
+  for (int i = r; i < r + NR; ++i) {
+    const int64_t a = std::max(j0, common), b = std::min(j1, t.n[i]);
+    if (b > a) pv_rows<1>(pr + i, t.o + i, D, v, stride, slot, a, b);
   }
 }
 
@@ -183,25 +197,16 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
   // 2. softmax numerators per row over its own n; the normalization is applied last
   float inv[MAX_TILE_ROWS];
   for (int r = 0; r < t.rows; ++r) inv[r] = softmax_numerators(pr[r], t.n[r]);
-  // 3. o = (E V) / sum(E), a key block at a time: rows in threes over the keys all three see, then
-  // each row alone over the rest of its keys in the block
+  // 3. o = (E V) / sum(E), a key block at a time: rows in sixes, then threes, over the
+  // keys all of them see, then each row alone over the rest of its keys in the block
   for (int r = 0; r < t.rows; ++r) std::fill(t.o[r], t.o[r] + D, 0.f);
   if (vec) {
     for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
       const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
       int r = 0;
-      for (; r + 3 <= t.rows; r += 3) {
-        const int64_t common = std::min({j1, t.n[r], t.n[r + 1], t.n[r + 2]});
-        if (common > j0) pv_rows<3>(pr + r, t.o + r, D, v, stride, slot, j0, common);
-        for (int i = r; i < r + 3; ++i) {
-          const int64_t a = std::max(j0, common), b = std::min(j1, t.n[i]);
-          if (b > a) pv_rows<1>(pr + i, t.o + i, D, v, stride, slot, a, b);
-        }
-      }
-      for (; r < t.rows; ++r) {
-        const int64_t b = std::min(j1, t.n[r]);
-        if (b > j0) pv_rows<1>(pr + r, t.o + r, D, v, stride, slot, j0, b);
-      }
+      for (; r + 6 <= t.rows; r += 6) pv_group<6>(pr, t, r, D, v, stride, slot, j0, j1);
+      for (; r + 3 <= t.rows; r += 3) pv_group<3>(pr, t, r, D, v, stride, slot, j0, j1);
+      for (; r < t.rows; ++r) pv_group<1>(pr, t, r, D, v, stride, slot, j0, j1);
     }
   } else {
     for (int r = 0; r < t.rows; ++r)

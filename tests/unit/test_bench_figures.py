@@ -10,9 +10,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_agent_session import later_median, session_ttfts
+from bench_attention import _paged_gather, attention_flops
 from kquant_files import kind_of, needs_requantize
 from machine_limits import isa_flags
 from peers import linear_params, prefill_flops_per_token, prefill_share
@@ -33,6 +35,22 @@ def test_prefill_share_puts_linear_flops_at_their_peak_and_attention_at_fp32():
     attention = prefill_flops_per_token(CFG, 2048) - 2 * layers
     assert prefill_share(CFG, 2048, 500.0, 2 * peak, peak) == pytest.approx(
         500.0 * (layers / peak + attention / peak))
+
+
+def test_attention_flops_count_each_causal_pair_once():
+    # row r of 3 after 5 cached tokens sees 6, 7, 8 keys: 21 pairs, 4 x head_dim each
+    assert attention_flops(3, 5, heads=2, head_dim=8) == 21 * 2 * 4 * 8
+    assert attention_flops(1, 0, heads=1, head_dim=1) == 4
+
+
+def test_paged_gather_hands_each_sequence_whole_pages_of_its_own():
+    g = _paged_gather(3, 40, 16 * 12, torch.Generator().manual_seed(1))
+    assert g.shape == (3, 40) and g.dtype == torch.int64
+    assert len(set(g.flatten().tolist())) == 3 * 40  # no slot shared
+    for row in g.tolist():
+        for start in range(0, 40, 16):  # a page is 16 consecutive slots from a page start
+            page = row[start:start + 16]
+            assert page[0] % 16 == 0 and page == list(range(page[0], page[0] + len(page)))
 
 
 def test_session_ttfts_rotates_the_order_and_stops_at_the_deadline():

@@ -63,6 +63,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -499,6 +500,17 @@ void check_part(const torch::Tensor& t, const char* what, torch::ScalarType type
               what, " must be contiguous ", type, " [", N, ", ", cols, "]");
 }
 
+// the scale parts Q4_K and Q5_K share: a scale and a min byte per 32-block, and each
+// 256-block's float16 d and dmin
+void check_kscales(const torch::Tensor& scales, const torch::Tensor& mins,
+                   const torch::Tensor& d, const torch::Tensor& dmin, int64_t N, int64_t K,
+                   const std::string& kind) {
+  check_part(scales, (kind + " scales").c_str(), torch::kUInt8, N, K / QK);
+  check_part(mins, (kind + " mins").c_str(), torch::kUInt8, N, K / QK);
+  check_part(d, (kind + " d").c_str(), torch::kHalf, N, K / 256);
+  check_part(dmin, (kind + " dmin").c_str(), torch::kHalf, N, K / 256);
+}
+
 torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& scales, const torch::Tensor& mins,
                            const torch::Tensor& d, const torch::Tensor& dmin) {
@@ -506,10 +518,7 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
               "q4k codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_k(x, codes, K);
-  check_part(scales, "q4k scales", torch::kUInt8, N, K / QK);
-  check_part(mins, "q4k mins", torch::kUInt8, N, K / QK);
-  check_part(d, "q4k d", torch::kHalf, N, K / 256);
-  check_part(dmin, "q4k dmin", torch::kHalf, N, K / 256);
+  check_kscales(scales, mins, d, dmin, N, K, "q4k");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
@@ -586,10 +595,7 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_k(x, codes, K);
   check_part(high, "q5k high bits", torch::kUInt8, N, K / 8);
-  check_part(scales, "q5k scales", torch::kUInt8, N, K / QK);
-  check_part(mins, "q5k mins", torch::kUInt8, N, K / QK);
-  check_part(d, "q5k d", torch::kHalf, N, K / 256);
-  check_part(dmin, "q5k dmin", torch::kHalf, N, K / 256);
+  check_kscales(scales, mins, d, dmin, N, K, "q5k");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;

@@ -1,5 +1,6 @@
 """Helpers of the HTTP tests, for any server with a `url` (ServerThread, ServerProcess):
-an httpx client fixture, request bodies, error bodies and waits on /debug/state."""
+an httpx client fixture, request bodies, error bodies, waits on /debug/state and
+/metrics samples."""
 
 from __future__ import annotations
 
@@ -61,3 +62,20 @@ def no_request_holds_pages(state: dict) -> bool:
 def wait_idle(client: httpx.Client, timeout: float = 10.0) -> dict:
     """/debug/state once no request holds a page (only the prefix cache may)."""
     return wait_state(client, no_request_holds_pages, timeout, "engine not idle")
+
+
+def metrics_lines(url: str) -> list[str]:
+    """The lines of /metrics of the server at `url` (Prometheus text format)."""
+    return httpx.get(url + "/metrics", timeout=10).text.splitlines()
+
+
+def metric(url: str, name: str) -> float:
+    """The value of the unlabelled sample `name` on /metrics of the server at `url`.
+
+    Raises:
+        AssertionError: no such sample.
+    """
+    for line in metrics_lines(url):
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from http_helpers import metric, metrics_lines
 from redis_process import RedisProcess, free_port, require
 from server_process import ServerProcess
 
@@ -94,16 +95,9 @@ def text(body: dict) -> str:
     return body["choices"][0]["message"]["content"]
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def reuse_metrics(url: str) -> str:
     """The replica's reuse outcomes and remote tier figures (why a restore did not happen)."""
-    return "\n".join(line for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return "\n".join(line for line in metrics_lines(url)
                      if line.startswith(("flare_reuse_outcome", "flare_remote_tier")))
 
 

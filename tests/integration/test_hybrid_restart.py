@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from http_helpers import metric
 from server_process import ServerProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
@@ -42,13 +43,6 @@ def chat(url: str, messages: list[dict], session: str | None = None) -> dict:
 
 def cached(answer: dict) -> int:
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 @pytest.fixture(scope="module", params=sorted(SAVERS))

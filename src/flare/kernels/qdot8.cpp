@@ -45,7 +45,9 @@
 // Instruction-set variants (`flare.kernels.variants`): the same source is built with
 // -mavxvnni (AVX-VNNI) and with -mavx512vnni -mavx512vl (AVX-512 VNNI), where one
 // `vpdpbusd` (u8 x s8, four products and the accumulator added in int32) replaces each
-// `vpmaddubsw` + `vpmaddwd` pair (`FLARE_DPBUSD` below). The results are identical bit for
+// `vpmaddubsw` + `vpmaddwd` pair (`FLARE_DPBUSD` below). The AVX-512 build also runs two
+// adjacent groups per zmm register (`Z16`, `FLARE_ZMM`): the same instructions lane for
+// lane, 16 output rows at once. The results are identical bit for
 // bit: the unsigned operand is a q4 code (0..15), a q5 code (0..31) or, with the sign
 // moved onto the activation, |c| of a q8 (<= 127) or q6k (<= 32) code, and every
 // activation is within -127..127, so no vpmaddubsw pair sum saturates and no int16 partial
@@ -145,282 +147,418 @@ struct QuantizedRows {
   }
 };
 
-// x's 4 codes at p in all 8 dword lanes (one vpbroadcastd from memory)
-inline __m256i broadcast_dword(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define FLARE_DPBUSD 1
-// acc + (per dword lane) the sum of the 4 products u8 u[j] x s8 s[j], in int32 (wraps,
-// never saturates; the sums here stay far below 2^31)
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define FLARE_ZMM 1  // the AVX-512 variant: two groups per zmm register (Z16 below)
+#endif
+
+// The lanes one pass of a group kernel fills. Y8: one group of 8 weight rows in a ymm
+// register. Z16 (the AVX-512 variant only): two adjacent groups g, g + 1 in a zmm, group
+// g in lanes 0-7 and g + 1 in lanes 8-15, each half loaded from its own group's bytes
+// (`next` = the distance from group g's data to group g + 1's). Every output lane runs
+// the same integer sums and the same float32 instructions in the same order either way,
+// so Z16 gives Y8's results bit for bit, for twice the rows per instruction.
+struct Y8 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int64_t groups = 1;
+  static I load(const void* p, int64_t) {
+    return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  }
+  // 8 float16 values at p, widened to float32
+  static F half8(const at::Half* p, int64_t) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // 8 unsigned bytes at p, as float32 lanes
+  static F u8_ps(const uint8_t* p, int64_t) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 8 int8 values at p as int32 lanes
+  static I i8_epi32(const int8_t* p, int64_t) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  // x's 4 codes at p in every dword lane (one vpbroadcastd from memory)
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I bytes(char c) { return _mm256_set1_epi8(c); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int n> static I srl16(I a) { return _mm256_srli_epi16(a, n); }
+  template <int n> static I sll16(I a) { return _mm256_slli_epi16(a, n); }
+  static I abs8(I a) { return _mm256_sign_epi8(a, a); }
+  // x with the sign of w moved onto it (zero where w is; |w| is zero there anyway)
+  static I sign8(I x, I w) { return _mm256_sign_epi8(x, w); }
+  static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I zero() { return _mm256_setzero_si256(); }
+#ifdef FLARE_DPBUSD
+  // acc + (per dword lane) the sum of the 4 products u8 u[j] x s8 s[j], in int32 (wraps,
+  // never saturates; the sums here stay far below 2^31)
+  static I dpbusd(I acc, I u, I s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
+    return _mm256_dpbusd_epi32(acc, u, s);
 #else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
-}
+  }
+#endif
+  static F to_ps(I a) { return _mm256_cvtepi32_ps(a); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+};
+
+#ifdef FLARE_ZMM
+struct Z16 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int64_t groups = 2;
+  static I load(const void* p, int64_t next) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + next)), 1);
+  }
+  static F half8(const at::Half* p, int64_t next) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + next)), 1));
+  }
+  static __m128i two8(const void* p, int64_t next) {  // 8 bytes at p, 8 at p + next
+    const auto* b = static_cast<const uint8_t*>(p);
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + next)));
+  }
+  static F u8_ps(const uint8_t* p, int64_t next) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(two8(p, next)));
+  }
+  static I i8_epi32(const int8_t* p, int64_t next) {
+    return _mm512_cvtepi8_epi32(two8(p, next));
+  }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I bytes(char c) { return _mm512_set1_epi8(c); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int n> static I srl16(I a) { return _mm512_srli_epi16(a, n); }
+  template <int n> static I sll16(I a) { return _mm512_slli_epi16(a, n); }
+  static I abs8(I a) { return _mm512_abs_epi8(a); }
+  // no vpsignb in AVX-512: negate x where w < 0 and keep it where w == 0 (|w| = 0 there,
+  // so the product, and the integer sum, are Y8's)
+  static I sign8(I x, I w) {
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  }
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static F to_ps(I a) { return _mm512_cvtepi32_ps(a); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F neg(F a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
 #endif
 
-// 8 float16 values at p, widened to float32
-inline __m256 load_half8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// A Q4_1-style group's block scales and mins: float16 [nb, 8] each, as stored.
+// A Q4_1-style group's block scales and mins: float16 [nb, 8] each, as stored; `next`
+// elements on to the next group's.
 struct HalfScales {
   const at::Half* d;
   const at::Half* m;
-  inline void operator()(int64_t kb, __m256& d8, __m256& m8) const {
-    d8 = load_half8(d + kb * 8);
-    m8 = load_half8(m + kb * 8);
+  int64_t next;
+  template <typename V>
+  inline void load(V, int64_t kb, typename V::F& d8, typename V::F& m8) const {
+    d8 = V::half8(d + kb * 8, next);
+    m8 = V::half8(m + kb * 8, next);
   }
 };
 
-// 8 unsigned bytes at p, as float32 lanes
-inline __m256 u8x8_to_ps(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // A Q4_K group's block scales and mins, computed from the 6-bit sub-block scale sc and
-// min m (uint8 [nb, 8] each) and the super-block's d and dmin (float16 [nb / 8, 8]):
-// scale d * sc and min -(dmin * m). Both products are exact in float32 (11 + 6 bits), so
-// they are the very values gguf's dequantization multiplies and subtracts.
+// min m (uint8 [nb, 8] each, `next_b` bytes on to the next group's) and the super-block's
+// d and dmin (float16 [nb / 8, 8], `next_h` elements on): scale d * sc and min
+// -(dmin * m). Both products are exact in float32 (11 + 6 bits), so they are the very
+// values gguf's dequantization multiplies and subtracts.
 struct Q4KScales {
   const uint8_t* sc;
   const uint8_t* m;
   const at::Half* d;
   const at::Half* dmin;
-  inline void operator()(int64_t kb, __m256& d8, __m256& m8) const {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    d8 = _mm256_mul_ps(load_half8(d + (kb / 8) * 8), u8x8_to_ps(sc + kb * 8));
-    m8 = _mm256_xor_ps(_mm256_mul_ps(load_half8(dmin + (kb / 8) * 8), u8x8_to_ps(m + kb * 8)),
-                       sign);
+  int64_t next_b, next_h;
+  template <typename V>
+  inline void load(V, int64_t kb, typename V::F& d8, typename V::F& m8) const {
+    d8 = V::mul(V::half8(d + (kb / 8) * 8, next_h), V::u8_ps(sc + kb * 8, next_b));
+    m8 = V::neg(V::mul(V::half8(dmin + (kb / 8) * 8, next_h), V::u8_ps(m + kb * 8, next_b)));
   }
 };
 
-// R rows of quantized x against one q4 group: acc[r] (8 lanes, one per weight row).
-// `scales(kb, d8, m8)` gives block kb's 8 scales and mins as float32.
-template <int R, typename Scales>
-inline void q4_group(const uint8_t* pc, const Scales& scales, const int8_t* xq,
-                     const float* xd, const float* xs, int64_t K, __m256* acc) {
+#ifdef FLARE_DPBUSD
+// sum_s dpbusd(w[s], x's dword s): a block's 32 products per lane, in two chains (each
+// vpdpbusd waits for its accumulator, and one chain of 8 would leave the units idle);
+// the integer sum is exact in any order
+template <typename V>
+inline typename V::I dot8(const typename V::I* w, const int8_t* xb) {
+  typename V::I a = V::zero(), b = V::zero();
+  for (int s = 0; s < 8; s += 2) {
+    a = V::dpbusd(a, w[s], V::bcast(xb + 4 * s));
+    b = V::dpbusd(b, w[s + 1], V::bcast(xb + 4 * s + 4));
+  }
+  return V::add32(a, b);
+}
+#endif
+
+// R rows of quantized x against one q4 group (two with Z16, `next` bytes apart): acc[r]
+// (a lane per weight row). `scales.load(V{}, kb, d8, m8)` gives block kb's scales and
+// mins as float32.
+template <typename V, int R, typename Scales>
+inline void q4_group(const uint8_t* pc, int64_t next, const Scales& scales, const int8_t* xq,
+                     const float* xd, const float* xs, int64_t K, typename V::F* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
   const int64_t nb = K / QK;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with FLARE_DPBUSD
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const I low = V::bytes(0x0F);
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
-    __m256i w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the 8 rows
+    I w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the rows
     for (int ch = 0; ch < 4; ++ch) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
-      w[ch] = _mm256_and_si256(raw, low);
-      w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const I raw = V::load(cb + 32 * ch, next);
+      w[ch] = V::and_(raw, low);
+      w[ch + 4] = V::and_(V::template srl16<4>(raw), low);
     }
-    __m256 d8, m8;
-    scales(kb, d8, m8);
+    F d8, m8;
+    scales.load(V{}, kb, d8, m8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
 #ifdef FLARE_DPBUSD
-      __m256i s32 = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) s32 = dpbusd(s32, w[s], broadcast_dword(xb + 4 * s));
-      const __m256 p = _mm256_cvtepi32_ps(s32);
+      const F p = V::to_ps(dot8<V>(w, xb));
 #else
       // each int16 pair sum is at most 2 * 15 * 127 = 3810 in magnitude: 8 of them add
       // up without overflow
-      __m256i s16 = _mm256_maddubs_epi16(w[0], broadcast_dword(xb));
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i s16 = _mm256_maddubs_epi16(w[0], V::bcast(xb));
       for (int s = 1; s < 8; ++s)
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], broadcast_dword(xb + 4 * s)));
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], V::bcast(xb + 4 * s)));
+      const F p = V::to_ps(_mm256_madd_epi16(s16, ones));
 #endif
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), p, acc[r]);
+      acc[r] = V::fmadd(m8, V::set1(xs[r * nb + kb]), acc[r]);
     }
   }
 }
 
 // R rows of quantized x against one 5-bit group (Q5_0, Q5_1, Q5_K): q4's low nibbles
-// (128 bytes a block) plus a 32-byte plane of high bits, byte 4i + b of which holds in
-// bit s the high bit of row i's element 4s + b, so w[s] takes its fifth bits from one
-// shift and mask of the plane. `scales(kb, d8, m8)` as for q4_group; codes 0..31.
-template <int R, typename Scales>
-inline void q5_group(const uint8_t* pc, const uint8_t* ph, const Scales& scales,
-                     const int8_t* xq, const float* xd, const float* xs, int64_t K,
-                     __m256* acc) {
+// (128 bytes a block) plus a 32-byte plane of high bits (`ph`, `next_h` bytes on to the
+// next group's), byte 4i + b of which holds in bit s the high bit of row i's element
+// 4s + b, so w[s] takes its fifth bits from one shift and mask of the plane.
+// `scales` as for q4_group; codes 0..31.
+template <typename V, int R, typename Scales>
+inline void q5_group(const uint8_t* pc, int64_t next, const uint8_t* ph, int64_t next_h,
+                     const Scales& scales, const int8_t* xq, const float* xd,
+                     const float* xs, int64_t K, typename V::F* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
   const int64_t nb = K / QK;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i bit4 = _mm256_set1_epi8(0x10);
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with FLARE_DPBUSD
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const I low = V::bytes(0x0F);
+  const I bit4 = V::bytes(0x10);
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ph + kb * 32));
-    __m256i w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the 8 rows
+    const I hb = V::load(ph + kb * 32, next_h);
+    I w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the rows
     for (int ch = 0; ch < 4; ++ch) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
-      w[ch] = _mm256_and_si256(raw, low);
-      w[ch + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      const I raw = V::load(cb + 32 * ch, next);
+      w[ch] = V::and_(raw, low);
+      w[ch + 4] = V::and_(V::template srl16<4>(raw), low);
     }
     // bit s of each plane byte to bit 4 (16-bit shifts: the mask drops what crosses bytes)
-    w[0] = _mm256_or_si256(w[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), bit4));
-    w[1] = _mm256_or_si256(w[1], _mm256_and_si256(_mm256_slli_epi16(hb, 3), bit4));
-    w[2] = _mm256_or_si256(w[2], _mm256_and_si256(_mm256_slli_epi16(hb, 2), bit4));
-    w[3] = _mm256_or_si256(w[3], _mm256_and_si256(_mm256_slli_epi16(hb, 1), bit4));
-    w[4] = _mm256_or_si256(w[4], _mm256_and_si256(hb, bit4));
-    w[5] = _mm256_or_si256(w[5], _mm256_and_si256(_mm256_srli_epi16(hb, 1), bit4));
-    w[6] = _mm256_or_si256(w[6], _mm256_and_si256(_mm256_srli_epi16(hb, 2), bit4));
-    w[7] = _mm256_or_si256(w[7], _mm256_and_si256(_mm256_srli_epi16(hb, 3), bit4));
-    __m256 d8, m8;
-    scales(kb, d8, m8);
+    w[0] = V::or_(w[0], V::and_(V::template sll16<4>(hb), bit4));
+    w[1] = V::or_(w[1], V::and_(V::template sll16<3>(hb), bit4));
+    w[2] = V::or_(w[2], V::and_(V::template sll16<2>(hb), bit4));
+    w[3] = V::or_(w[3], V::and_(V::template sll16<1>(hb), bit4));
+    w[4] = V::or_(w[4], V::and_(hb, bit4));
+    w[5] = V::or_(w[5], V::and_(V::template srl16<1>(hb), bit4));
+    w[6] = V::or_(w[6], V::and_(V::template srl16<2>(hb), bit4));
+    w[7] = V::or_(w[7], V::and_(V::template srl16<3>(hb), bit4));
+    F d8, m8;
+    scales.load(V{}, kb, d8, m8);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
 #ifdef FLARE_DPBUSD
-      __m256i s32 = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) s32 = dpbusd(s32, w[s], broadcast_dword(xb + 4 * s));
-      const __m256 p = _mm256_cvtepi32_ps(s32);
+      const F p = V::to_ps(dot8<V>(w, xb));
 #else
       // a pair sum is at most 2 * 31 * 127 = 7874: four add up in int16 (31496), so the
       // block's two halves go to int32 apart
-      __m256i a16 = _mm256_maddubs_epi16(w[0], broadcast_dword(xb));
-      __m256i b16 = _mm256_maddubs_epi16(w[4], broadcast_dword(xb + 16));
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256i a16 = _mm256_maddubs_epi16(w[0], V::bcast(xb));
+      __m256i b16 = _mm256_maddubs_epi16(w[4], V::bcast(xb + 16));
       for (int s = 1; s < 4; ++s) {
-        a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(w[s], broadcast_dword(xb + 4 * s)));
-        b16 = _mm256_add_epi16(b16, _mm256_maddubs_epi16(w[s + 4],
-                                                         broadcast_dword(xb + 16 + 4 * s)));
+        a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(w[s], V::bcast(xb + 4 * s)));
+        b16 = _mm256_add_epi16(b16, _mm256_maddubs_epi16(w[s + 4], V::bcast(xb + 16 + 4 * s)));
       }
-      const __m256 p = _mm256_cvtepi32_ps(
+      const F p = V::to_ps(
           _mm256_add_epi32(_mm256_madd_epi16(a16, ones), _mm256_madd_epi16(b16, ones)));
 #endif
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])), p, acc[r]);
-      acc[r] = _mm256_fmadd_ps(m8, _mm256_set1_ps(xs[r * nb + kb]), acc[r]);
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), p, acc[r]);
+      acc[r] = V::fmadd(m8, V::set1(xs[r * nb + kb]), acc[r]);
     }
   }
 }
 
 // 8 int8 scales at p (one per row) as int16 pairs: dword lane i holds scale i in both
 // halves, so vpmaddwd against two int16 partial sums gives scale * (their sum).
-inline __m256i scale_pairs(const int8_t* p) {
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+[[maybe_unused]] inline __m256i scale_pairs(const int8_t* p) {
+  const __m256i v = Y8::i8_epi32(p, 0);
   return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)),
                          _mm256_slli_epi32(v, 16));
 }
 
-#ifdef FLARE_DPBUSD
-// 8 int8 scales at p (one per row) as int32 lanes
-inline __m256i scale_dwords(const int8_t* p) {
-  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
-
 // R rows of quantized x against one Q6_K group: codes c = q - 32 (int8, -32..31) in the
 // q8 layout, int8 scales per 16 values ([nb * 2, 8]: block kb's halves at 16 kb and
-// 16 kb + 8), float16 d per super-block of 256 ([nb / 8, 8]). Per block of 32 and row:
+// 16 kb + 8), float16 d per super-block of 256 ([nb / 8, 8]); the next group's codes,
+// scales and d are `next`, `next_s` and `next_d` elements on. Per block of 32 and row:
 //   p = sc_lo * sum_{j<16}(c_j q_j) + sc_hi * sum_{j>=16}(c_j q_j)      (int32, exact)
 //   y += (d * dx) * p
 // |p| <= 2 * 128 * 16 * 32 * 127 < 2^24, so its float32 conversion is exact too.
-template <int R>
-inline void q6k_group(const int8_t* pc, const int8_t* psc, const at::Half* pd,
-                      const int8_t* xq, const float* xd, int64_t K, __m256* acc) {
+template <typename V, int R>
+inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t next_s,
+                      const at::Half* pd, int64_t next_d, const int8_t* xq, const float* xd,
+                      int64_t K, typename V::F* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
   const int64_t nb = K / QK;
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const int8_t* cb = pc + kb * 256;
-    __m256i raw[8], mag[8];
+    I raw[8], mag[8];
     for (int ch = 0; ch < 8; ++ch) {
-      raw[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
-      mag[ch] = _mm256_sign_epi8(raw[ch], raw[ch]);  // |c| <= 32
+      raw[ch] = V::load(cb + 32 * ch, next);
+      mag[ch] = V::abs8(raw[ch]);  // |c| <= 32
     }
 #ifdef FLARE_DPBUSD
-    const __m256i lo = scale_dwords(psc + kb * 16), hi = scale_dwords(psc + kb * 16 + 8);
+    const I lo = V::i8_epi32(psc + kb * 16, next_s), hi = V::i8_epi32(psc + kb * 16 + 8, next_s);
 #else
-    const __m256i lo = scale_pairs(psc + kb * 16), hi = scale_pairs(psc + kb * 16 + 8);
+    const I lo = scale_pairs(psc + kb * 16), hi = scale_pairs(psc + kb * 16 + 8);
 #endif
-    const __m256 d8 = load_half8(pd + (kb / 8) * 8);
+    const F d8 = V::half8(pd + (kb / 8) * 8, next_d);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
 #ifdef FLARE_DPBUSD
       // each half's sum is at most 16 * 32 * 127 = 65024: times a scale, far below 2^31
-      __m256i a32 = _mm256_setzero_si256(), b32 = _mm256_setzero_si256();
+      I a32 = V::zero(), b32 = V::zero();
       for (int ch = 0; ch < 4; ++ch) {
-        a32 = dpbusd(a32, mag[ch], _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch]));
-        b32 = dpbusd(b32, mag[ch + 4],
-                     _mm256_sign_epi8(broadcast_dword(xb + 16 + 4 * ch), raw[ch + 4]));
+        a32 = V::dpbusd(a32, mag[ch], V::sign8(V::bcast(xb + 4 * ch), raw[ch]));
+        b32 = V::dpbusd(b32, mag[ch + 4], V::sign8(V::bcast(xb + 16 + 4 * ch), raw[ch + 4]));
       }
-      const __m256i p = _mm256_add_epi32(_mm256_mullo_epi32(a32, lo),
-                                         _mm256_mullo_epi32(b32, hi));
+      const I p = V::add32(V::mul32(a32, lo), V::mul32(b32, hi));
 #else
       // a pair sum is at most 2 * 32 * 127 = 8128: four add up in int16 (32512)
-      __m256i a16 = _mm256_maddubs_epi16(mag[0], _mm256_sign_epi8(broadcast_dword(xb), raw[0]));
-      __m256i b16 = _mm256_maddubs_epi16(mag[4],
-                                         _mm256_sign_epi8(broadcast_dword(xb + 16), raw[4]));
+      __m256i a16 = _mm256_maddubs_epi16(mag[0], V::sign8(V::bcast(xb), raw[0]));
+      __m256i b16 = _mm256_maddubs_epi16(mag[4], V::sign8(V::bcast(xb + 16), raw[4]));
       for (int ch = 1; ch < 4; ++ch) {
         a16 = _mm256_add_epi16(a16, _mm256_maddubs_epi16(
-            mag[ch], _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch])));
+            mag[ch], V::sign8(V::bcast(xb + 4 * ch), raw[ch])));
         b16 = _mm256_add_epi16(b16, _mm256_maddubs_epi16(
-            mag[ch + 4], _mm256_sign_epi8(broadcast_dword(xb + 16 + 4 * ch), raw[ch + 4])));
+            mag[ch + 4], V::sign8(V::bcast(xb + 16 + 4 * ch), raw[ch + 4])));
       }
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(a16, lo), _mm256_madd_epi16(b16, hi));
+      const I p = _mm256_add_epi32(_mm256_madd_epi16(a16, lo), _mm256_madd_epi16(b16, hi));
 #endif
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),
-                               _mm256_cvtepi32_ps(p), acc[r]);
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(p), acc[r]);
     }
   }
 }
 
-// R rows of quantized x against one q8 group (signed codes).
-template <int R>
-inline void q8_group(const int8_t* pc, const at::Half* ps, const int8_t* xq, const float* xd,
-                     int64_t K, __m256* acc) {
+// R rows of quantized x against one q8 group (signed codes; the next group's codes and
+// scales `next` and `next_s` elements on).
+template <typename V, int R>
+inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t next_s,
+                     const int8_t* xq, const float* xd, int64_t K, typename V::F* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
   const int64_t nb = K / QK;
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // not with FLARE_DPBUSD
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const int8_t* cb = pc + kb * 256;
-    __m256i raw[8], mag[8];
+    I raw[8], mag[8];
     for (int ch = 0; ch < 8; ++ch) {
-      raw[ch] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + 32 * ch));
-      mag[ch] = _mm256_sign_epi8(raw[ch], raw[ch]);  // |c|; codes are never -128
+      raw[ch] = V::load(cb + 32 * ch, next);
+      mag[ch] = V::abs8(raw[ch]);  // |c|; codes are never -128
     }
-    const __m256 d8 = load_half8(ps + kb * 8);
+    const F d8 = V::half8(ps + kb * 8, next_s);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
       // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127 = 32258 (no
       // saturation), so each goes to int32 before the next is added
-      __m256i s32 = _mm256_setzero_si256();
-      for (int ch = 0; ch < 8; ++ch) {
-        const __m256i xs = _mm256_sign_epi8(broadcast_dword(xb + 4 * ch), raw[ch]);
 #ifdef FLARE_DPBUSD
-        s32 = dpbusd(s32, mag[ch], xs);
-#else
-        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs), ones));
-#endif
+      I s0 = V::zero(), s1 = V::zero();  // two chains, as in dot8
+      for (int ch = 0; ch < 8; ch += 2) {
+        s0 = V::dpbusd(s0, mag[ch], V::sign8(V::bcast(xb + 4 * ch), raw[ch]));
+        s1 = V::dpbusd(s1, mag[ch + 1], V::sign8(V::bcast(xb + 4 * ch + 4), raw[ch + 1]));
       }
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(xd[r * nb + kb])),
-                               _mm256_cvtepi32_ps(s32), acc[r]);
+      const I s32 = V::add32(s0, s1);
+#else
+      I s32 = V::zero();
+      for (int ch = 0; ch < 8; ++ch) {
+        const I xs = V::sign8(V::bcast(xb + 4 * ch), raw[ch]);
+        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs),
+                                                      _mm256_set1_epi16(1)));
+      }
+#endif
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(s32), acc[r]);
     }
   }
 }
 
 constexpr int64_t GTILE = 4;  // rows of x per pass over a group (registers: 8 + 4 + 4)
 
-// Splits the N / 8 groups over torch's threads; each group takes x in tiles of GTILE rows
-// (the group's weights stay in L1 between tiles) and stores 8 outputs per row.
+// Group g's outputs (and g + 1's with Z16) for every row of x, in tiles of GTILE rows
+// (the group's weights stay in L1 between tiles).
+template <typename V, typename GroupFn>
+inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& group) {
+  for (int64_t b0 = 0; b0 < B; b0 += GTILE) {
+    const int64_t rows = std::min(GTILE, B - b0);
+    typename V::F acc[GTILE];
+    group(V{}, g, b0, rows, acc);
+    for (int64_t r = 0; r < rows; ++r) V::store(out + (b0 + r) * N + 8 * g, acc[r]);
+  }
+}
+
+// Splits the N / 8 groups over torch's threads, in pairs with Z16 (a lone last group
+// takes Y8). `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 + rows of x against
+// group g (and g + 1 with Z16) into acc.
 template <typename GroupFn>
 void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
   const int64_t G = N / 8;
-  const int64_t grain = std::max<int64_t>(1, G / (4 * at::get_num_threads()) + 1);
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b0 = 0; b0 < B; b0 += GTILE) {
-        const int64_t rows = std::min(GTILE, B - b0);
-        __m256 acc[GTILE];
-        group(g, b0, rows, acc);
-        for (int64_t r = 0; r < rows; ++r)
-          _mm256_storeu_ps(out + (b0 + r) * N + 8 * g, acc[r]);
+#ifdef FLARE_ZMM
+  constexpr int64_t W = Z16::groups;
+#else
+  constexpr int64_t W = Y8::groups;
+#endif
+  const int64_t U = (G + W - 1) / W;
+  const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()) + 1);
+  at::parallel_for(0, U, grain, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+#ifdef FLARE_ZMM
+      if (W * u + 1 < G) {
+        group_rows<Z16>(B, N, out, W * u, group);
+        continue;
       }
+#endif
+      group_rows<Y8>(B, N, out, W * u, group);
+    }
   });
 }
 
@@ -454,9 +592,12 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8};
-    FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, gs, xr.q.data() + b0 * K,
+  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
+                                             auto* acc) {
+    using V = decltype(lanes);
+    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
+    FLARE_DISPATCH_GTILE(rows, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+                                            xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
   });
@@ -475,8 +616,11 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const QuantizedRows xr(x, false);
   const int8_t* c = codes.data_ptr<int8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    FLARE_DISPATCH_GTILE(rows, (q8_group<R>(c + g * nb * 256, sc + g * nb * 8,
+  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
+                                             auto* acc) {
+    using V = decltype(lanes);
+    FLARE_DISPATCH_GTILE(rows, (q8_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 8,
+                                               nb * 8,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
                                             acc)));
   });
@@ -528,9 +672,13 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb};
-    FLARE_DISPATCH_GTILE(rows, (q4_group<R>(c + g * nb * 128, gs, xr.q.data() + b0 * K,
+  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
+                                             auto* acc) {
+    using V = decltype(lanes);
+    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
+                       nb};
+    FLARE_DISPATCH_GTILE(rows, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+                                            xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
   });
@@ -552,8 +700,11 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int8_t* c = codes.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    FLARE_DISPATCH_GTILE(rows, (q6k_group<R>(c + g * nb * 256, sc + g * nb * 16, pd + g * nb,
+  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
+                                             auto* acc) {
+    using V = decltype(lanes);
+    FLARE_DISPATCH_GTILE(rows, (q6k_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 16,
+                                                nb * 16, pd + g * nb, nb,
                                              xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
                                              acc)));
   });
@@ -577,9 +728,12 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* h = high.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8};
-    FLARE_DISPATCH_GTILE(rows, (q5_group<R>(c + g * nb * 128, h + g * nb * 32, gs,
+  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
+                                             auto* acc) {
+    using V = decltype(lanes);
+    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
+    FLARE_DISPATCH_GTILE(rows, (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
+                                               nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                             xr.s.data() + b0 * nb, K, acc)));
   });
@@ -606,9 +760,13 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](int64_t g, int64_t b0, int64_t rows, __m256* acc) {
-    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb};
-    FLARE_DISPATCH_GTILE(rows, (q5_group<R>(c + g * nb * 128, h + g * nb * 32, gs,
+  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
+                                             auto* acc) {
+    using V = decltype(lanes);
+    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
+                       nb};
+    FLARE_DISPATCH_GTILE(rows, (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
+                                               nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                             xr.s.data() + b0 * nb, K, acc)));
   });

@@ -7,7 +7,7 @@ own key. qdot8.cpp's int8 dot products pick their instructions at compile time
 it was built in. Best first:
 
     avx512vnni  + -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni
-                (256-bit EVEX `vpdpbusd`)
+                (512-bit `vpdpbusd` over two 8-row groups, zmm attention)
     avxvnni     + -mavxvnni (256-bit VEX `vpdpbusd`, the Alder Lake / Zen 5 kind)
     avx2        the baseline: -mavx2 -mfma -mf16c (`vpmaddubsw` + `vpmaddwd`), always
 

@@ -29,6 +29,11 @@
 // while it is in L1. Partial sums are stored to memory between key blocks, which is
 // exact. A NaN or infinite score makes the row NaN, as SDPA does.
 //
+// The AVX-512 build (kernel variant avx512vnni) runs the same arithmetic in zmm registers:
+// scores_4x8 holds two query rows' 8-lane chains in one register, and the PV tiles cover 16
+// lanes of D a register; every chain and tree is the one above, so its results equal the
+// avx2 build's bit for bit (the kernel probe and test_kernel_variants compare them).
+//
 // Compiled with -ffp-contract=off (kernels/__init__.py), so no compiler-chosen FMA
 // changes one path's rounding and not another's.
 
@@ -81,6 +86,40 @@ inline void scores_2x4(const float* qa, const float* qb, const float* const* ks,
   _mm_storeu_ps(pb, _mm256_extractf128_ps(s, 1));
 }
 
+#ifdef __AVX512F__
+// scores of rows a[0..3] for the 8 keys at slots ks[0..7] into pa[0..3] (rows may repeat:
+// the same values are then written twice). The 8-lane chains of scores_2x4, two rows to a
+// zmm (lanes 0-7 row a[2m], 8-15 row a[2m + 1]) against each key's 8 floats in both
+// halves, and each row's 8 chains reduced by the same hsum8x8 tree: the same scores bit
+// for bit, for 4 rows x 8 keys per pass.
+inline void scores_4x8(const float* const* qa, const float* const* ks, int64_t D,
+                       __m256 scv, float* const* pa) {
+  __m512 acc[2][8];
+  for (int m = 0; m < 2; ++m)
+    for (int c = 0; c < 8; ++c) acc[m][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    __m512 x[2];
+    for (int m = 0; m < 2; ++m)
+      x[m] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa[2 * m] + i)),
+                                _mm256_loadu_ps(qa[2 * m + 1] + i), 1);
+    for (int c = 0; c < 8; ++c) {
+      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(ks[c] + i));
+      acc[0][c] = _mm512_fmadd_ps(x[0], kv, acc[0][c]);
+      acc[1][c] = _mm512_fmadd_ps(x[1], kv, acc[1][c]);
+    }
+  }
+  for (int m = 0; m < 2; ++m) {
+    __m256 lo[8], hi[8];
+    for (int c = 0; c < 8; ++c) {
+      lo[c] = _mm512_castps512_ps256(acc[m][c]);
+      hi[c] = _mm512_extractf32x8_ps(acc[m][c], 1);
+    }
+    _mm256_storeu_ps(pa[2 * m], _mm256_mul_ps(hsum8x8(lo), scv));
+    _mm256_storeu_ps(pa[2 * m + 1], _mm256_mul_ps(hsum8x8(hi), scv));
+  }
+}
+#endif
+
 // the scalar form for D not a multiple of 8 (one order, used by every path alike)
 inline float score_scalar(const float* q, const float* k, int64_t D, float sc) {
   float s = 0.f;
@@ -115,39 +154,46 @@ inline float softmax_numerators(float* p, int64_t n) {
   return 1.0f / hsum(sum);
 }
 
-// o_r[d0 .. d0 + 8 NV) += sum_{j in [j0, j1)} p_r[j] v_j, for NR rows, in order of j
-template <int NR, int NV, typename Slot>
+// o_r[d0 .. d0 + L NV) += sum_{j in [j0, j1)} p_r[j] v_j, for NR rows, in order of j,
+// in vectors of L = VF::lanes floats
+template <typename VF, int NR, int NV, typename Slot>
 inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const float* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1) {
-  __m256 acc[NR][NV];
+  constexpr int L = VF::lanes;
+  typename VF::F acc[NR][NV];
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_loadu_ps(o[r] + d0 + 8 * c);
+    for (int c = 0; c < NV; ++c) acc[r][c] = VF::load(o[r] + d0 + L * c);
   for (int64_t j = j0; j < j1; ++j) {
     const float* vr = v + slot(j) * stride + d0;
-    __m256 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(vr + 8 * c);
+    typename VF::F vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = VF::load(vr + L * c);
     for (int r = 0; r < NR; ++r) {
-      const __m256 pv = _mm256_set1_ps(p[r][j]);
-      for (int c = 0; c < NV; ++c) acc[r][c] = _mm256_fmadd_ps(pv, vv[c], acc[r][c]);
+      const typename VF::F pv = VF::set1(p[r][j]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = VF::fmadd(pv, vv[c], acc[r][c]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o[r] + d0 + 8 * c, acc[r][c]);
+    for (int c = 0; c < NV; ++c) VF::store(o[r] + d0 + L * c, acc[r][c]);
 }
 
-// NR rows over D in chunks of 8 NV lanes. A chunk holds NR x NV accumulators, NV of V and
-// one broadcast p in the 16 ymm registers: one more and the compiler keeps an accumulator
-// on the stack, which chains every FMA of it through a store and a load (3 x 4 did: the
-// whole PV pass ran at half speed). Several rows share each V load; which rows share it
-// never changes a lane's chain.
+// NR rows over D in chunks of NV vectors of the widest float type (zmm in AVX-512 builds,
+// ymm else), then 8-lane vectors for the rest. A chunk holds NR x NV accumulators, NV of
+// V and one broadcast p in the registers (16 ymm, 32 zmm): one more and the compiler keeps
+// an accumulator on the stack, which chains every FMA of it through a store and a load
+// (3 x 4 ymm did: the whole PV pass ran at half speed). Several rows share each V load;
+// each output lane is its own chain over j, so neither the rows sharing a load nor the
+// vector width ever changes a result.
 template <int NR, typename Slot>
 inline void pv_rows(const float* const* p, float* const* o, int64_t D, const float* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1) {
-  constexpr int NV = NR == 1 ? 4 : 2;
-  static_assert(NR * NV + NV + 1 <= 16, "the PV tile must fit the ymm registers");
+  using VF = flare_simd::FWide;
+  constexpr int L = VF::lanes;
+  constexpr int NV = NR == 1 || VF::registers == 32 ? 4 : 2;
+  static_assert(NR * NV + NV + 1 <= VF::registers, "the PV tile must fit the registers");
   int64_t d0 = 0;
-  for (; d0 + 8 * NV <= D; d0 += 8 * NV) pv_tile<NR, NV>(p, o, d0, v, stride, slot, j0, j1);
-  for (; d0 + 8 <= D; d0 += 8) pv_tile<NR, 1>(p, o, d0, v, stride, slot, j0, j1);
+  for (; d0 + L * NV <= D; d0 += L * NV) pv_tile<VF, NR, NV>(p, o, d0, v, stride, slot, j0, j1);
+  for (; d0 + L <= D; d0 += L) pv_tile<VF, NR, 1>(p, o, d0, v, stride, slot, j0, j1);
+  for (; d0 + 8 <= D; d0 += 8) pv_tile<flare_simd::F8, NR, 1>(p, o, d0, v, stride, slot, j0, j1);
 }
 
 // Rows r .. r + NR of a tile over keys [j0, j1) of their own: together over the keys all
@@ -180,6 +226,25 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
   // scores up to nmax; keys past nmax read slot(nmax - 1) (a valid row) and are dropped
   for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
     const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
+#ifdef __AVX512F__
+    if (vec) {  // zmm: 4 rows x 8 keys a pass (the last rows repeated to fill it)
+      for (int64_t j = j0; j < j1; j += 8) {
+        const float* ks[8];
+        for (int c = 0; c < 8; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
+        for (int r = 0; r < t.rows; r += 4) {
+          const float* qa[4];
+          float* pa[4];
+          for (int i = 0; i < 4; ++i) {
+            const int ri = std::min(r + i, t.rows - 1);
+            qa[i] = t.q[ri];
+            pa[i] = pr[ri] + j;
+          }
+          scores_4x8(qa, ks, D, scv, pa);
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t j = j0; j < j1; j += 4) {
       const float* ks[4];
       for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;

@@ -33,7 +33,8 @@ from flare.atomic_file import write_text_atomic
 
 FAULT_ENV = "FLARE_KERNEL_PROBE_FAULT"
 PROBE_TIMEOUT_S = 300.0  # a child that imports torch and runs the problem takes seconds
-N, K = 16, 512  # 2 groups of 8 rows, 2 K-quant super-blocks (16 blocks of 32)
+N, K = 24, 512  # 3 groups of 8 rows (a pair and a lone one for AVX-512), 2 K-quant
+# super-blocks (16 blocks of 32)
 _CHILD = "from flare.kernels.probe import main; main()"
 
 
@@ -49,12 +50,12 @@ def import_extension(path: Path) -> ModuleType:
 
 def problem(rows: int, seed: int = 0, extremes: bool = False
             ) -> list[tuple[str, Callable[[ModuleType], object]]]:
-    """A fixed random problem for every int8 kernel and the dense linears: (name, call)
-    pairs, each call taking a kernel module and returning its result (a tensor or a
-    tuple of tensors). x is float32 [rows, K] with one all-zero block; the weights are
+    """A fixed random problem for every int8 kernel, the dense linears and attention:
+    (name, call) pairs, each call taking a kernel module and returning its result (a
+    tensor or a tuple of tensors). x is float32 [rows, K] with one all-zero block; the weights are
     random codes within each format's range (q8 -127..127, q6k -32..31, 6-bit K-quant
     scales and mins, any byte for 4-bit codes and fifth bits) and random float16 scales,
-    N = 16 rows. With `extremes`, every activation code is +-127 and every weight code
+    N = 24 rows. With `extremes`, every activation code is +-127 and every weight code
     one end of its range: the largest integer sums the kernels meet."""
     g = torch.Generator().manual_seed(seed)
 
@@ -85,6 +86,11 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
     q5 = (u8(K // 2), u8(K // 8), half(nb), half(nb))
     q5k = (u8(K // 2), u8(K // 8), u8(nb, 64), u8(nb, 64), half(ns), half(ns))
     w = torch.randn(N, K, generator=g)
+    # attention: a prefill chunk of `rows` query rows after 61 cached keys (6 query heads
+    # over 2 KV heads, D = 64), and a decode step of 3 sequences of other lengths with
+    # D = 24 (one zmm of D and an 8-lane rest in the AVX-512 build)
+    chunk = _attention_problem(g, [61 + rows], rows, heads=(6, 2), head_dim=64)
+    step = _attention_problem(g, [5, 40 + rows, 9], 1, heads=(4, 1), head_dim=24)
     return [
         ("q4x8_linear", lambda m: m.q4x8_linear(x, *q4)),
         ("q8x8_linear", lambda m: m.q8x8_linear(x, *q8)),
@@ -95,7 +101,28 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
         ("quantize_rows_q8", lambda m: m.quantize_rows_q8(x)),
         ("f16_linear", lambda m: m.f16_linear(x, m.dense_pack(w.half()), N, None)),
         ("f32_linear", lambda m: m.f32_linear(x, m.dense_pack(w), N, None)),
+        ("cached_attention (chunk)", lambda m: m.cached_attention(*chunk)),
+        ("cached_attention (decode)", lambda m: m.cached_attention(*step)),
     ]
+
+
+def _attention_problem(g: torch.Generator, lengths: list[int], rows: int,
+                       heads: tuple[int, int], head_dim: int) -> tuple:
+    """cached_attention's arguments for len(lengths) sequences of `rows` query rows each,
+    sequence b over `lengths[b]` cache slots taken in a random order: (q [B * rows, H, D],
+    k_cache, v_cache [S, KVH, D] float32, gather int64 [B, max length], lengths int64 [B],
+    rows, scale)."""
+    (h, kvh), d = heads, head_dim
+    slots = sum(lengths) + 3
+    order = torch.randperm(slots, generator=g)
+    gather = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    start = 0
+    for b, n in enumerate(lengths):
+        gather[b, :n] = order[start:start + n]
+        start += n
+    return (torch.randn(len(lengths) * rows, h, d, generator=g),
+            torch.randn(slots, kvh, d, generator=g), torch.randn(slots, kvh, d, generator=g),
+            gather, torch.tensor(lengths, dtype=torch.int64), rows, d ** -0.5)
 
 
 def same_bytes(a: object, b: object) -> bool:

@@ -1,4 +1,5 @@
-// AVX2/FMA helpers shared by Flare's kernel sources (qgemm.cpp, fused.cpp, attention.cpp).
+// AVX2/FMA helpers shared by Flare's kernel sources (qgemm.cpp, fused.cpp, attention.cpp),
+// and the float vector types of the AVX-512 builds.
 #pragma once
 
 #include <immintrin.h>
@@ -74,5 +75,33 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
                        _mm256_permute2f128_ps(t0, t1, 0x31));
 }
+
+// Float vectors for kernels whose lanes are independent chains (each output element its
+// own FMA chain), so the vector width changes how many run at once, never a result:
+// F8 (ymm, every variant) and F16 (zmm, AVX-512 builds only).
+struct F8 {
+  using F = __m256;
+  static constexpr int lanes = 8;
+  static constexpr int registers = 16;
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+};
+
+#ifdef __AVX512F__
+struct F16 {
+  using F = __m512;
+  static constexpr int lanes = 16;
+  static constexpr int registers = 32;
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+};
+using FWide = F16;  // the widest float vector this build has
+#else
+using FWide = F8;
+#endif
 
 }  // namespace flare_simd

@@ -67,6 +67,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -522,24 +523,30 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
   }
 }
 
-constexpr int64_t GTILE = 4;  // rows of x per pass over a group (registers: 8 + 4 + 4)
+// Rows of x a pass over a group: 4 (registers: 8 codes, 4 sums, 4 more); with Z16, 8 for
+// the 4- and 5-bit formats (8 codes, 8 sums and the rest fit the 32 zmm registers; the
+// byte formats' 16 code registers leave no room, and 8 rows measured 10% slower there).
+constexpr int64_t TILE = 4;
+constexpr int64_t NIBBLE_ZTILE = 8;
+template <typename V>
+constexpr int64_t nibble_rows = std::is_same_v<V, Y8> ? TILE : NIBBLE_ZTILE;
 
-// Group g's outputs (and g + 1's with Z16) for every row of x, in tiles of GTILE rows
-// (the group's weights stay in L1 between tiles).
-template <typename V, typename GroupFn>
+// Group g's outputs (and g + 1's with Z16) for every row of x, in tiles of T rows (the
+// group's weights stay in L1 between tiles).
+template <typename V, int64_t T, typename GroupFn>
 inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& group) {
-  for (int64_t b0 = 0; b0 < B; b0 += GTILE) {
-    const int64_t rows = std::min(GTILE, B - b0);
-    typename V::F acc[GTILE];
+  for (int64_t b0 = 0; b0 < B; b0 += T) {
+    const int64_t rows = std::min(T, B - b0);
+    typename V::F acc[T];
     group(V{}, g, b0, rows, acc);
     for (int64_t r = 0; r < rows; ++r) V::store(out + (b0 + r) * N + 8 * g, acc[r]);
   }
 }
 
 // Splits the N / 8 groups over torch's threads, in pairs with Z16 (a lone last group
-// takes Y8). `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 + rows of x against
-// group g (and g + 1 with Z16) into acc.
-template <typename GroupFn>
+// takes Y8), ZT rows of x a Z16 pass and TILE a Y8 one. `group(V{}, g, b0, rows, acc)`
+// computes rows b0 .. b0 + rows of x against group g (and g + 1 with Z16) into acc.
+template <int64_t ZT, typename GroupFn>
 void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
   const int64_t G = N / 8;
 #ifdef FLARE_ZMM
@@ -553,16 +560,26 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
     for (int64_t u = u0; u < u1; ++u) {
 #ifdef FLARE_ZMM
       if (W * u + 1 < G) {
-        group_rows<Z16>(B, N, out, W * u, group);
+        group_rows<Z16, ZT>(B, N, out, W * u, group);
         continue;
       }
 #endif
-      group_rows<Y8>(B, N, out, W * u, group);
+      group_rows<Y8, TILE>(B, N, out, W * u, group);
     }
   });
 }
 
-#define FLARE_DISPATCH_GTILE(R_, CALL)                             \
+// CALL with the compile-time R = R_ (1 .. MAXR, MAXR 4 or 8)
+#define FLARE_DISPATCH_GTILE(R_, MAXR, CALL)                       \
+  if constexpr (MAXR == 8) {                                       \
+    switch (R_) {                                                  \
+      case 5: { constexpr int R = 5; CALL; } return;               \
+      case 6: { constexpr int R = 6; CALL; } return;               \
+      case 7: { constexpr int R = 7; CALL; } return;               \
+      case 8: { constexpr int R = 8; CALL; } return;               \
+      default: break;                                              \
+    }                                                              \
+  }                                                                \
   switch (R_) {                                                    \
     case 1: { constexpr int R = 1; CALL; } break;                  \
     case 2: { constexpr int R = 2; CALL; } break;                  \
@@ -592,11 +609,11 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
-                                             auto* acc) {
+  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
+                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
-    FLARE_DISPATCH_GTILE(rows, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
                                             xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
@@ -616,10 +633,11 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const QuantizedRows xr(x, false);
   const int8_t* c = codes.data_ptr<int8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
-                                             auto* acc) {
+  for_groups<TILE>(B, N, y.data_ptr<float>(),
+                   [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
-    FLARE_DISPATCH_GTILE(rows, (q8_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 8,
+    FLARE_DISPATCH_GTILE(rows, TILE,
+                         (q8_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 8,
                                                nb * 8,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
                                             acc)));
@@ -672,12 +690,12 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
-                                             auto* acc) {
+  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
+                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
                        nb};
-    FLARE_DISPATCH_GTILE(rows, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
                                             xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
@@ -700,10 +718,11 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int8_t* c = codes.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
-                                             auto* acc) {
+  for_groups<TILE>(B, N, y.data_ptr<float>(),
+                   [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
-    FLARE_DISPATCH_GTILE(rows, (q6k_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 16,
+    FLARE_DISPATCH_GTILE(rows, TILE,
+                         (q6k_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 16,
                                                 nb * 16, pd + g * nb, nb,
                                              xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
                                              acc)));
@@ -728,11 +747,12 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* h = high.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
-                                             auto* acc) {
+  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
+                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
-    FLARE_DISPATCH_GTILE(rows, (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
+    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>,
+                         (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
                                                nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                             xr.s.data() + b0 * nb, K, acc)));
@@ -760,12 +780,13 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(), [&](auto lanes, int64_t g, int64_t b0, int64_t rows,
-                                             auto* acc) {
+  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
+                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
                        nb};
-    FLARE_DISPATCH_GTILE(rows, (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
+    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>,
+                         (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
                                                nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                             xr.s.data() + b0 * nb, K, acc)));

@@ -528,6 +528,12 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
 // byte formats' 16 code registers leave no room, and 8 rows measured 10% slower there).
 constexpr int64_t TILE = 4;
 constexpr int64_t NIBBLE_ZTILE = 8;
+// Calls with fewer rows of x (decode up to 4 sequences) take Y8 in the AVX-512 variant
+// too: there the weights stream from memory once a call, and on a Zen 4 EPYC (2 cores,
+// 32 MiB L3) Z16's paired loads ran 1.2-1.4x slower than Y8 at 1-4 rows over 30 layers'
+// weights not in cache (faster only when the weights were in cache); from 5 rows on
+// they tie or Z16 wins. Both give the same bits, so this chooses speed only.
+constexpr int64_t ZMM_MIN_ROWS = 5;
 template <typename V>
 constexpr int64_t nibble_rows = std::is_same_v<V, Y8> ? TILE : NIBBLE_ZTILE;
 
@@ -543,9 +549,10 @@ inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& gro
   }
 }
 
-// Splits the N / 8 groups over torch's threads, in pairs with Z16 (a lone last group
-// takes Y8), ZT rows of x a Z16 pass and TILE a Y8 one. `group(V{}, g, b0, rows, acc)`
-// computes rows b0 .. b0 + rows of x against group g (and g + 1 with Z16) into acc.
+// Splits the N / 8 groups over torch's threads, in pairs: with Z16 when B >= ZMM_MIN_ROWS
+// (a lone last group takes Y8), ZT rows of x a Z16 pass and TILE a Y8 one.
+// `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 + rows of x against group g (and
+// g + 1 with Z16) into acc.
 template <int64_t ZT, typename GroupFn>
 void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
   const int64_t G = N / 8;
@@ -559,12 +566,13 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
   at::parallel_for(0, U, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
 #ifdef FLARE_ZMM
-      if (W * u + 1 < G) {
+      if (W * u + 1 < G && B >= ZMM_MIN_ROWS) {
         group_rows<Z16, ZT>(B, N, out, W * u, group);
         continue;
       }
 #endif
-      group_rows<Y8, TILE>(B, N, out, W * u, group);
+      for (int64_t g = W * u; g < std::min(G, W * u + W); ++g)
+        group_rows<Y8, TILE>(B, N, out, g, group);
     }
   });
 }

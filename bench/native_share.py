@@ -8,7 +8,7 @@ the rest is Python (scheduler, metadata, sampling, outputs) and whatever kernels
 outside the call (the output layer where the call lacks it). A figure, not pass/fail.
 
     PYTHONPATH=src .venv/bin/python bench/native_share.py [--threads 1] [--steps 200]
-        [--repeat 3] [--prompt 64]
+        [--repeat 3] [--prompt 64] [--batch 1]
 
 Prints, per repeat, the steps' total and median ms, the native call's, and the share
 outside it (total outside / total step), then the best repeat (lowest share).
@@ -56,18 +56,18 @@ class TimedNative:
         return self._timed(self._native.forward_logits, *args)
 
 
-def decode_steps(engine: Engine, timed: TimedNative, prompt: list[int], steps: int
-                 ) -> tuple[list[float], list[float]]:
-    """One request of `prompt` run to its first token, then `steps` decode steps: each
-    step's wall seconds and the native call's seconds within it."""
-    req = GenerationRequest(f"r{time.perf_counter_ns()}", prompt,
-                            SamplingParams(max_tokens=steps + 2, temperature=0,
-                                           ignore_eos=True))
-    engine.add_request(req)
-    seq_started = False
-    while not seq_started:  # prefill (one or more chunks) up to the first token
+def decode_steps(engine: Engine, timed: TimedNative, prompt: list[int], steps: int,
+                 batch: int = 1) -> tuple[list[float], list[float]]:
+    """`batch` requests of `prompt` run to their first tokens, then `steps` decode steps
+    of all of them together: each step's wall seconds and the native call's within it."""
+    for i in range(batch):
+        engine.add_request(GenerationRequest(
+            f"r{i}-{time.perf_counter_ns()}", prompt,
+            SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)))
+    started = 0
+    while started < batch:  # prefill (one or more chunks) up to every first token
         engine.step()
-        seq_started = any(s.num_computed >= len(prompt) for s in engine.scheduler.running)
+        started = sum(s.num_computed >= len(prompt) for s in engine.scheduler.running)
     wall, inside = [], []
     for _ in range(steps):
         before = timed.seconds
@@ -86,22 +86,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(embedded_model_path())
-    plan = make_plan(ckpt.config, max_seq_len=1024, max_num_seqs=1, max_batch_tokens=512)
+    plan = make_plan(ckpt.config, max_seq_len=1024, max_num_seqs=args.batch,
+                     max_batch_tokens=max(512, args.batch * args.prompt))
     engine = Engine(ckpt.config, plan, convert_tensors(ckpt.tensors, "q4x8", ckpt.blocks),
                     ckpt.tokenizer, prefix_cache=False)
     if engine.model.native is None:
         raise SystemExit("no native call for this model (is FLARE_NATIVE_LAYERS=0 set?)")
     timed = engine.model.native = TimedNative(engine.model.native)
     prompt = list(range(100, 100 + args.prompt))
-    decode_steps(engine, timed, prompt, 8)  # warm-up
-    print(f"threads {args.threads}, {args.steps} decode steps after a {args.prompt}-token "
-          f"prompt; lm_head in the native call: {getattr(timed._native, 'has_lm_head', False)}")
+    decode_steps(engine, timed, prompt, 8, args.batch)  # warm-up
+    print(f"threads {args.threads}, {args.steps} decode steps of {args.batch} sequences "
+          f"after a {args.prompt}-token prompt; lm_head in the native call: {getattr(timed._native, 'has_lm_head', False)}")
     shares = []
     for r in range(args.repeat):
-        wall, inside = decode_steps(engine, timed, prompt, args.steps)
+        wall, inside = decode_steps(engine, timed, prompt, args.steps, args.batch)
         share = 1 - sum(inside) / sum(wall)
         shares.append(share)
         print(f"repeat {r + 1}: step {1e3 * sum(wall) / len(wall):.3f} ms mean, "
@@ -109,7 +111,8 @@ def main() -> None:
               f"{1e3 * sum(inside) / len(inside):.3f} ms mean, "
               f"{1e3 * statistics.median(inside):.3f} median; outside "
               f"{1e3 * (sum(wall) - sum(inside)) / len(wall):.3f} ms = {100 * share:.1f}%")
-    print(f"best repeat: {100 * min(shares):.1f}% of a batch-1 step outside the native call")
+    print(f"best repeat: {100 * min(shares):.1f}% of a batch-{args.batch} step outside the "
+          "native call")
 
 
 if __name__ == "__main__":

@@ -314,6 +314,8 @@ def qgemm() -> ModuleType:
         rms_norm, add_rms_norm, rope_store, silu_mul, decode_attention (see `fused_ops`)
         DenseLayers(...): every decoder layer of a dense step, and the output layer on
             the rows that sample, in one call (layers.cpp, `flare.models.native_layers`)
+        argmax_rows(x [N, V] float32) -> int64 [N]: torch.argmax(x, dim=-1)'s indices
+            (sample.cpp; `flare.runtime.sampling.greedy_tokens`)
 
     Raises:
         KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, the build

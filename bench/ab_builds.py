@@ -1,0 +1,91 @@
+"""Two builds of Flare's kernel module side by side in one process: decode step times.
+
+On a noisy machine two runs of a benchmark minutes apart differ by more than most kernel
+changes do, so a change is judged here by alternating two engines in the same process:
+one built on each `.so` (the module's own file, e.g. an older build still in
+~/.cache/flare/kernels), each decoding `--batch` sequences of the embedded model in
+`q4x8` for `--steps` steps, round after round. Prints each build's minimum and median
+mean step over the rounds. A figure, not pass/fail.
+
+    PYTHONPATH=src .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--batch 1]
+        [--steps 64] [--prompt 32] [--rounds 6] [--threads 2]
+
+The module each engine's `DenseLayers` comes from is the one loaded for it: the linear,
+attention and norm kernels of a step are that build's. Python-side kernel calls outside
+the native call (embedding, sampling) use the build loaded last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import statistics
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from native_share import TimedNative, decode_steps
+
+from flare import kernels
+from flare.loading.checkpoint import load_checkpoint
+from flare.loading.embedded import embedded_model_path
+from flare.models.quant.storage import convert_tensors
+from flare.package.plan import make_plan
+from flare.runtime.engine import Engine
+
+
+def load_build(path: Path) -> ModuleType:
+    """The kernel module at `path` (its file name, less the suffix, is its module name).
+
+    Raises:
+        ImportError: `path` is not a loadable build of the module.
+    """
+    name = path.name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("builds", nargs=2, type=Path, help="two kernel module .so files")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    if args.builds[0].name == args.builds[1].name:
+        raise SystemExit("the two builds have one module name: Python would load it once")
+    torch.set_num_threads(args.threads)
+    ckpt = load_checkpoint(embedded_model_path())
+    tensors = convert_tensors(ckpt.tensors, "q4x8", ckpt.blocks)
+    plan = make_plan(ckpt.config, max_seq_len=4096, max_num_seqs=args.batch,
+                     max_batch_tokens=max(512, args.batch * args.prompt))
+    runs = []
+    for path in args.builds:
+        kernels._MODULE = load_build(path)  # what fused_ops() and the model see from here
+        engine = Engine(ckpt.config, plan, tensors, ckpt.tokenizer, prefix_cache=False)
+        if engine.model.native is None:
+            raise SystemExit("no native call for this model (is FLARE_NATIVE_LAYERS=0 set?)")
+        timed = engine.model.native = TimedNative(engine.model.native)
+        runs.append((path, engine, timed, []))
+    prompt = list(range(100, 100 + args.prompt))
+    for _ in range(args.rounds):
+        for _, engine, timed, means in runs:
+            wall, _inside = decode_steps(engine, timed, prompt, args.steps, args.batch)
+            means.append(1e3 * sum(wall) / len(wall))
+    print(f"{args.threads} threads, {args.batch} sequences, {args.steps} decode steps after "
+          f"a {args.prompt}-token prompt, {args.rounds} rounds alternated")
+    for path, _, _, means in runs:
+        print(f"{path.name}: step {min(means):.3f} ms min, {statistics.median(means):.3f} "
+              "median")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,8 +11,11 @@ mean step over the rounds. A figure, not pass/fail.
         [--steps 64] [--prompt 32] [--rounds 6] [--threads 2]
 
 The module each engine's `DenseLayers` comes from is the one loaded for it: the linear,
-attention and norm kernels of a step are that build's. Python-side kernel calls outside
-the native call (embedding, sampling) use the build loaded last.
+attention and norm kernels of its native call are that build's. Kernel calls from Python
+outside the native call (embedding, sampling) use the build loaded last, so put the build
+whose Python-side ops you want second (a build older than `argmax_rows` samples with
+torch.argmax). Each engine decodes once before the rounds, and the two swap places every
+round.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from native_share import TimedNative, decode_steps
 from flare import kernels
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
+from flare.models.quant import dense
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
@@ -60,7 +64,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    if args.builds[0].name == args.builds[1].name:
+    if len({p.name.split(".")[0] for p in args.builds}) < 2:
         raise SystemExit("the two builds have one module name: Python would load it once")
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(embedded_model_path())
@@ -70,14 +74,17 @@ def main() -> None:
     runs = []
     for path in args.builds:
         kernels._MODULE = load_build(path)  # what fused_ops() and the model see from here
+        dense._DENSE = False  # dense_kernels() looks the module up again
         engine = Engine(ckpt.config, plan, tensors, ckpt.tokenizer, prefix_cache=False)
         if engine.model.native is None:
             raise SystemExit("no native call for this model (is FLARE_NATIVE_LAYERS=0 set?)")
         timed = engine.model.native = TimedNative(engine.model.native)
         runs.append((path, engine, timed, []))
     prompt = list(range(100, 100 + args.prompt))
-    for _ in range(args.rounds):
-        for _, engine, timed, means in runs:
+    for _, engine, timed, _means in runs:  # warm-up
+        decode_steps(engine, timed, prompt, 8, args.batch)
+    for r in range(args.rounds):
+        for _, engine, timed, means in runs[::-1] if r % 2 else runs:
             wall, _inside = decode_steps(engine, timed, prompt, args.steps, args.batch)
             means.append(1e3 * sum(wall) / len(wall))
     print(f"{args.threads} threads, {args.batch} sequences, {args.steps} decode steps after "

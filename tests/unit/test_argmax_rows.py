@@ -35,12 +35,11 @@ def rows_of_every_kind(v: int) -> torch.Tensor:
         r = torch.randn(v, generator=g)
         r[at] = float("nan")
         rows.append(r)
-        r = torch.full((v,), float("nan"))  # every value NaN: the first
-        rows.append(r)
         r = torch.randn(v, generator=g)
         r[at] = 1e30
         r[(at + 1) % v] = 1e30  # a tie between neighbours
         rows.append(r)
+    rows.append(torch.full((v,), float("nan")))  # every value NaN: the first
     two_nans = torch.randn(v, generator=g)
     two_nans[v - 1] = float("nan")
     two_nans[v // 3] = float("nan")
@@ -69,13 +68,18 @@ def test_argmax_rows_refuses_what_it_cannot_read():
         OPS.argmax_rows(torch.zeros(2, 0))
 
 
-def test_greedy_sampling_gives_torch_argmax_tokens(monkeypatch):
+def test_greedy_sampling_takes_the_kernel_and_gives_torch_argmax_tokens(monkeypatch):
     x = rows_of_every_kind(49152)
     want = torch.argmax(x, dim=-1).tolist()
     params = [SamplingParams(temperature=0)] * x.shape[0]
     gens = [torch.Generator() for _ in params]
-    assert greedy_tokens(x) == want
+    calls = []
+    kernel = OPS.argmax_rows
+    monkeypatch.setattr(OPS, "argmax_rows", lambda t: calls.append(t.shape) or kernel(t))
     assert sample(x.clone(), params, gens).tokens == want
     assert greedy_tokens(x[:, ::2]) == torch.argmax(x[:, ::2], dim=-1).tolist()  # a view
-    monkeypatch.setenv("FLARE_FUSED_OPS", "0")  # the torch path: the same tokens
+    assert calls == [x.shape, (x.shape[0], x.shape[1] // 2)]
+    assert greedy_tokens(x.double()) == want  # not float32: torch.argmax
+    monkeypatch.setenv("FLARE_FUSED_OPS", "0")  # the torch path
     assert sample(x.clone(), params, gens).tokens == want
+    assert len(calls) == 2

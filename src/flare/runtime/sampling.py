@@ -178,10 +178,11 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     ~10x torch's CPU argmax on a 49,152-token vocabulary) where they are built; any
     other tensor, or $FLARE_FUSED_OPS=0, takes torch.argmax.
     """
-    ops = fused_ops() if logits.device.type == "cpu" else None
-    if (ops is not None and logits.dtype == torch.float32 and logits.dim() == 2
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.shape[-1] > 0):
-        return ops.argmax_rows(logits.contiguous()).tolist()
+        argmax_rows = getattr(fused_ops(), "argmax_rows", None)
+        if argmax_rows is not None:
+            return argmax_rows(logits.contiguous()).tolist()
     return torch.argmax(logits, dim=-1).tolist()
 
 

@@ -1,7 +1,7 @@
-"""The share of a batch-1 decode step spent outside the native call (issue 17, item 3).
+"""The share of a decode step spent outside the native call (issue 17, item 3).
 
 The embedded model in `q4x8` (the file's own blocks, as a default package holds them)
-decodes one sequence, one `engine.step()` at a time. Each step's wall clock is set against
+decodes one sequence (or `--batch` of them together), one `engine.step()` at a time. Each step's wall clock is set against
 the time spent inside the model's native call (`DenseLayers.forward` / `forward_logits`,
 timed around the call from Python, so pybind's argument conversion counts as inside):
 the rest is Python (scheduler, metadata, sampling, outputs) and whatever kernels run

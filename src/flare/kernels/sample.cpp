@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -30,10 +32,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     m0 = _mm256_max_ps(m0, a);
     m1 = _mm256_max_ps(m1, b);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
-  float m = lanes[0];
-  for (int l = 1; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+  float m = flare_simd::hmax8(_mm256_max_ps(m0, m1));
   bool any_nan = _mm256_movemask_ps(nan) != 0;
   for (; i < n; ++i) {
     any_nan = any_nan || std::isnan(x[i]);

@@ -21,38 +21,20 @@ round.
 from __future__ import annotations
 
 import argparse
-import importlib.machinery
-import importlib.util
 import statistics
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from native_share import TimedNative, decode_steps
 
 from flare import kernels
+from flare.kernels.probe import import_extension
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
 from flare.models.quant import dense
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
-
-
-def load_build(path: Path) -> ModuleType:
-    """The kernel module at `path` (its file name, less the suffix, is its module name).
-
-    Raises:
-        ImportError: `path` is not a loadable build of the module.
-    """
-    name = path.name.split(".")[0]
-    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
-    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-    if spec is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -73,7 +55,7 @@ def main() -> None:
                      max_batch_tokens=max(512, args.batch * args.prompt))
     runs = []
     for path in args.builds:
-        kernels._MODULE = load_build(path)  # what fused_ops() and the model see from here
+        kernels._MODULE = import_extension(path)  # what fused_ops() and the model see from here
         dense._DENSE = False  # dense_kernels() looks the module up again
         engine = Engine(ckpt.config, plan, tensors, ckpt.tokenizer, prefix_cache=False)
         if engine.model.native is None:

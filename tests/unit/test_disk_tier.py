@@ -382,6 +382,28 @@ def test_budget_evicts_least_recently_used(tmp_path):
         tier.check_integrity()
 
 
+def test_evicting_a_chain_head_takes_everything_that_hangs_from_it(tmp_path):
+    """Written heads first and never touched (a merged write ticket), a chain's head is
+    the least recently used row: evicting it takes its pages, tail and checkpoint below,
+    which no restore could reach, and leaves an unrelated newer chain whole."""
+    head = _record(seed=1)
+    middle = _record(seed=2, parent=head.key)
+    end = _record(seed=3, parent=middle.key)
+    checkpoint = _record("checkpoint", seed=4, parent=middle.key)
+    other_head = _record(seed=5)
+    other_end = _record(seed=6, parent=other_head.key)
+    size = _size_of(head)
+    with _tier(tmp_path, budget=5 * size + size // 2) as tier:
+        for r in (head, middle, end, checkpoint, other_head):
+            assert tier.put(r)
+        assert tier.put(other_end)  # one record over: the head goes, and all below it
+        assert tier.keys() == [other_head.key, other_end.key]
+        assert tier.stats.evicted == 4 and tier.nbytes <= tier.budget_bytes
+        assert sorted(p.name for p in tmp_path.glob("*.rec")) == sorted(
+            _record_file(tmp_path, r.key).name for r in (other_head, other_end))
+        tier.check_integrity()
+
+
 def test_record_larger_than_the_budget_is_refused(tmp_path):
     small, big = _record(seed=1), _record(seed=2, rows=64)
     with _tier(tmp_path, budget=_size_of(small) + 10) as tier:

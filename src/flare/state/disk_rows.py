@@ -82,22 +82,45 @@ class DiskRows:
 
     def _make_room(self, nbytes: int) -> None:
         """Evict until `nbytes` more fit: other namespaces' and versions' rows first, then
-        ours, least recently used first (caller holds the lock)."""
+        ours, least recently used first, each with every record of ours that hangs from
+        it (caller holds the lock).
+
+        Touches keep a chain's head more recent than its end, but a write ticket that
+        merged several chains writes heads first and touches only at its end, so a head
+        can be the least recently used row. A record whose parent is gone cannot be
+        restored after a restart (restores walk from the root), so it goes with it: the
+        disk never keeps an end without the pages it hangs from."""
         need = self._nbytes + nbytes - self.budget_bytes
         if need <= 0:
             return
-        victims, freed = [], 0
+        victims: dict[tuple[str, bytes], Row] = {}
+        freed = 0
         cursor = self._db.execute(
             ROW_SQL + " ORDER BY (namespace=? AND format_version=?), last_used",
             self._ours())
-        for r in cursor:
+        for r in cursor.fetchall():
             if freed >= need:
                 break
-            victims.append(Row.of(r))
-            freed += r[3]
+            row = Row.of(r)
+            if (row.namespace, row.key) in victims:
+                continue
+            for v in [row, *self._descendants(row)]:
+                if (v.namespace, v.key) not in victims:
+                    victims[(v.namespace, v.key)] = v
+                    freed += v.nbytes
         cursor.close()
-        self._delete_rows(victims)
+        self._delete_rows(list(victims.values()))
         self.stats.evicted += len(victims)
+
+    def _descendants(self, row: Row) -> list[Row]:
+        """Every row of `row`'s namespace whose parent chain runs through `row`."""
+        found = self._db.execute(
+            "WITH RECURSIVE below(key) AS (SELECT key FROM records WHERE namespace=?1 "
+            "AND parent=?2 UNION SELECT r.key FROM records r JOIN below ON "
+            "r.parent=below.key WHERE r.namespace=?1) "
+            + ROW_SQL + " WHERE namespace=?1 AND key IN below",
+            (row.namespace, row.key)).fetchall()
+        return [Row.of(r) for r in found]
 
     def _insert(self, record: StateRecord, name: str, nbytes: int) -> None:
         self._db.execute(

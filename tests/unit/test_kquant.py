@@ -282,6 +282,29 @@ def test_kernel_rows_do_not_depend_on_their_batch_or_threads(kind):
 
 
 @needs_kernel
+def test_q5_0_holds_no_mins_and_gives_the_stored_mins_bits():
+    """A Q5_0 weight is held in the file's 5.5 bits a value (no mins part: the kernel
+    and `dequantize` compute -16d). Its rows equal, bit for bit, the same weight with
+    -16d stored as float16 (what Flare held before), and fused with a Q5_1 weight
+    (mins for both) each part keeps its own rows."""
+    w = _random_weight("Q5_0", 40, 768, seed=21)
+    assert w.mins.shape == (40, 0)
+    assert w.nbytes * 8 == 40 * 768 * 5.5
+    stored = w.with_mins()
+    assert stored.mins.shape == (40, 24) and torch.equal(stored.dequantize(), w.dequantize())
+    x = torch.randn(37, 768) * 2
+    assert torch.equal(Linear(w, None, torch.float32)(x),
+                       Linear(stored, None, torch.float32)(x))
+    q51 = _random_weight("Q5_1", 16, 768, seed=22)
+    fused = cat_weights([w, q51])
+    assert isinstance(fused, Q5x8Weight) and fused.mins.shape == (56, 24)
+    parts = torch.cat([Linear(p, None, torch.float32)(x) for p in (w, q51)], dim=1)
+    assert torch.equal(Linear(fused, None, torch.float32)(x), parts)
+    assert torch.equal(cat_weights([w, w]).dequantize(),
+                       torch.cat([w.dequantize(), w.dequantize()]))
+
+
+@needs_kernel
 def test_stacked_kinds_give_each_parts_own_rows():
     """A fused q/k/v of Q4_K and Q6_K parts (a Q4_K_M file): each output block equals the
     part's own Linear, bit for bit, and the rows do not depend on the batch."""

@@ -97,6 +97,8 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
         ("q4kx8_linear", lambda m: m.q4kx8_linear(x, *q4k)),
         ("q6kx8_linear", lambda m: m.q6kx8_linear(x, *q6k)),
         ("q5x8_linear", lambda m: m.q5x8_linear(x, *q5)),
+        ("q5x8_linear (Q5_0: no mins)",
+         lambda m: m.q5x8_linear(x, *q5[:3], torch.empty(N, 0, dtype=torch.float16))),
         ("q5kx8_linear", lambda m: m.q5kx8_linear(x, *q5k)),
         ("quantize_rows_q8", lambda m: m.quantize_rows_q8(x)),
         ("f16_linear", lambda m: m.f16_linear(x, m.dense_pack(w.half()), N, None)),

@@ -288,6 +288,20 @@ struct HalfScales {
   }
 };
 
+// A Q5_0 group's block scales (float16 [nb, 8], `next` elements on to the next group's)
+// and mins derived from them: min -16d, exact in float32 (a power-of-two multiple), so
+// the very value a stored float16 -16d would widen to. Saves the 0.5 bits a weight a
+// stored min takes.
+struct DerivedMinScales {
+  const at::Half* d;
+  int64_t next;
+  template <typename V>
+  inline void load(V, int64_t kb, typename V::F& d8, typename V::F& m8) const {
+    d8 = V::half8(d + kb * 8, next);
+    m8 = V::mul(d8, V::set1(-16.0f));
+  }
+};
+
 // A Q4_K group's block scales and mins, computed from the 6-bit sub-block scale sc and
 // min m (uint8 [nb, 8] each, `next_b` bytes on to the next group's) and the super-block's
 // d and dmin (float16 [nb / 8, 8], `next_h` elements on): scale d * sc and min
@@ -746,7 +760,9 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_packed(x, codes, scales, K);
   check_part(high, "q5 high bits", torch::kUInt8, N, K / 8);
-  check_part(mins, "q5 mins", torch::kHalf, N, K / QK);
+  // Q5_0 holds no mins ([N, 0]): each is -16 times its scale
+  const bool derived = mins.dim() == 2 && mins.size(1) == 0;
+  check_part(mins, "q5 mins", torch::kHalf, N, derived ? 0 : K / QK);
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
@@ -754,17 +770,23 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint8_t* h = high.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
-  const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
-                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
-    using V = decltype(lanes);
-    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
-    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>,
-                         (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
-                                               nb * 32, gs,
-                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
-                                            xr.s.data() + b0 * nb, K, acc)));
-  });
+  const at::Half* mn = derived ? nullptr : mins.data_ptr<at::Half>();
+  const auto run = [&](auto scales_of) {
+    for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
+                             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+      using V = decltype(lanes);
+      const auto gs = scales_of(g);
+      FLARE_DISPATCH_GTILE(rows, nibble_rows<V>,
+                           (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
+                                           nb * 32, gs, xr.q.data() + b0 * K,
+                                           xr.d.data() + b0 * nb, xr.s.data() + b0 * nb,
+                                           K, acc)));
+    });
+  };
+  if (derived)
+    run([&](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8}; });
+  else
+    run([&](int64_t g) { return HalfScales{sc + g * nb * 8, mn + g * nb * 8, nb * 8}; });
   return y;
 }
 
@@ -864,7 +886,8 @@ void flare_register_qdot8(pybind11::module_& m) {
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
         pybind11::arg("d"));
   m.def("q5x8_linear", &q5x8_linear,
-        "y[B, N] = x[B, K] @ dequant_q5(W)^T (Q5_0, Q5_1) with x quantized to int8 blocks",
+        "y[B, N] = x[B, K] @ dequant_q5(W)^T (Q5_0, Q5_1) with x quantized to int8 blocks; "
+        "mins [N, 0] (Q5_0): each block's min is -16 x its scale",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("high"),
         pybind11::arg("scales"), pybind11::arg("mins"));
   m.def("q5kx8_linear", &q5kx8_linear,

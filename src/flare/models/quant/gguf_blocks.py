@@ -139,14 +139,14 @@ def _q5_fifth_bits(blocks: torch.Tensor, at: int) -> torch.Tensor:
 
 def q5_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
     """(codes uint8 [N, K/2] (the low nibbles, `Q4Weight`'s byte order), fifth bits
-    uint8 [N, K/8] (`high_plane`), scales, mins float16 [N, K/32]) of a Q5_0 or Q5_1
-    weight, the file's own values: Q5_1's d and m; Q5_0's d and min -16d (exact in
-    float16: a power-of-two multiple; and d * q - 16d = d * (q - 16) exactly in float32,
-    both sides holding at most 16 significant bits).
+    uint8 [N, K/8] (`high_plane`), scales float16 [N, K/32], mins) of a Q5_0 or Q5_1
+    weight, the file's own values: Q5_1's d and m (mins float16 [N, K/32]); Q5_0's d and
+    no mins (float16 [N, 0]: its min -16d is computed where it is used, exactly, and
+    d * q - 16d = d * (q - 16) in float32, both sides holding at most 16 significant
+    bits).
 
     Raises:
-        ValueError: another type, or a Q5_0 scale whose -16d overflows float16 (naming
-            `name`).
+        ValueError: another type (naming `name`).
     """
     if b.kind not in ("Q5_0", "Q5_1"):
         raise ValueError(f"weight {name!r} is {b.kind}, not Q5_0 or Q5_1")
@@ -156,10 +156,7 @@ def q5_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...
     if b.kind == "Q5_1":
         m, at = _fp16_field(blocks, 2), 4
     else:
-        m, at = (d.float() * -16).half(), 2
-        if not bool(torch.isfinite(m).all()):
-            raise ValueError(f"weight {name!r} has Q5_0 scales whose min -16d is beyond "
-                             f"float16's range; use --weights fp16")
+        m, at = torch.empty(n, 0, dtype=torch.float16), 2
     codes = blocks[..., at + 4:].reshape(n, -1).contiguous()
     return codes, high_plane(_q5_fifth_bits(blocks, at)), d, m
 

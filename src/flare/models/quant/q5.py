@@ -51,12 +51,19 @@ def q5_codes(codes: torch.Tensor, plane: torch.Tensor) -> torch.Tensor:
     return (low | (plane_bits(plane) << 4)).float()
 
 
+def q5_mins(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """float32 block mins [N, K/32]: `mins` widened, or for Q5_0's empty mins ([N, 0])
+    -16 x `scales` (exact in float32: a power-of-two multiple of a float16)."""
+    return scales.float() * -16 if mins.shape[-1] == 0 else mins.float()
+
+
 def q5_values(codes: torch.Tensor, high: torch.Tensor, scales: torch.Tensor,
               mins: torch.Tensor) -> torch.Tensor:
     """float32 [N, K] of Q5_0 / Q5_1 parts in row order (`q5_from_gguf`'s shapes):
-    scale * q + min per block of 32 (scale * q exact in float32, one rounding after)."""
+    scale * q + min per block of 32 (scale * q exact in float32, one rounding after;
+    Q5_0: min -16 x scale, so d * q - 16d = d * (q - 16), gguf's value, exactly)."""
     q = q5_codes(codes, high)
-    return (q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)).view(
+    return (q * scales.float().unsqueeze(-1) + q5_mins(scales, mins).unsqueeze(-1)).view(
         codes.shape[0], -1)
 
 
@@ -81,7 +88,10 @@ class Q5x8Weight(NibbleParts):
         codes: uint8 [N, K/2], the low nibbles in `Q4x8Weight`'s layout.
         high: uint8 [N, K/8], the fifth bits (`high_plane`), 4 bytes a row in each
             32-byte group chunk.
-        scales, mins: float16 [N, K/32] (group layout); Q5_0's min is -16d.
+        scales: float16 [N, K/32] (group layout).
+        mins: Q5_1's, float16 [N, K/32] (group layout); Q5_0 holds none, float16
+            [N, 0]: its min is -16d, which the kernel and `dequantize` compute (exact),
+            so a Q5_0 weight takes 5.5 bits a value, as in the file.
 
     Value: scale * q + min, equal to gguf's dequantization bit for bit. Indexing with row
     ids (int64 [T]) returns those rows dequantized, float32 [T, K].
@@ -104,6 +114,14 @@ class Q5x8Weight(NibbleParts):
     def parts(self) -> tuple[torch.Tensor, ...]:
         """(codes, high, scales, mins), in `Q5X8_SUFFIXES` order."""
         return self.codes, self.high, self.scales, self.mins
+
+    def with_mins(self) -> Q5x8Weight:
+        """This weight with its mins stored (Q5_0's -16d as float16, exact), so it can be
+        fused along the output axis with a Q5_1 weight (`cat_weights`); the same values."""
+        if self.mins.shape[1]:
+            return self
+        return Q5x8Weight(self.codes, self.high, self.scales,
+                          q5_mins(self.scales, self.mins).half())
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
         return q5_values(pick_rows(self.codes, rows, 4), pick_rows(self.high, rows, 4),

@@ -98,7 +98,7 @@ class DiskRows:
         cursor = self._db.execute(
             ROW_SQL + " ORDER BY (namespace=? AND format_version=?), last_used",
             self._ours())
-        for r in cursor.fetchall():
+        for r in cursor:  # lazily: eviction stops as soon as enough is freed
             if freed >= need:
                 break
             row = Row.of(r)

@@ -302,6 +302,9 @@ def test_q5_0_holds_no_mins_and_gives_the_stored_mins_bits():
     assert torch.equal(Linear(fused, None, torch.float32)(x), parts)
     assert torch.equal(cat_weights([w, w]).dequantize(),
                        torch.cat([w.dequantize(), w.dequantize()]))
+    huge = Q5x8Weight(w.codes, w.high, torch.full_like(w.scales, 8192.0), w.mins)
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        cat_weights([huge, q51])  # its -16d = -131072 has no float16
 
 
 @needs_kernel

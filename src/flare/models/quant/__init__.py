@@ -144,7 +144,8 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   d * dx; 8.5625 bits against 6.5625), Q5_0 / Q5_1 as `Q5x8Weight` and Q5_K as
   `Q5Kx8Weight` (`q4x8`'s low nibbles plus a plane of fifth bits, with `q4x8`'s float16
   scale and min (Q5_0 holds no min: the kernel computes its -16d, exact), or Q4_K's
-  scales, exact: 5.5 bits as Q5_0's, 6 as Q5_1's, 5.625 against Q5_K's 5.5), the rest as `q8x8` / `q4x8` hold them. A fused
+  scales, exact: 5.5 bits as Q5_0's, 6 as Q5_1's, 5.625 against Q5_K's 5.5), the rest
+  as `q8x8` / `q4x8` hold them. A fused
   q/k/v or
   gate/up of two kinds is a `StackedWeight`: one kernel call a kind, the outputs
   concatenated. Every served value equals `gguf.quants.dequantize` of the file bit for

@@ -117,11 +117,19 @@ class Q5x8Weight(NibbleParts):
 
     def with_mins(self) -> Q5x8Weight:
         """This weight with its mins stored (Q5_0's -16d as float16, exact), so it can be
-        fused along the output axis with a Q5_1 weight (`cat_weights`); the same values."""
+        fused along the output axis with a Q5_1 weight (`cat_weights`); the same values.
+
+        Raises:
+            ValueError: a scale whose -16d is beyond float16's range (it would turn
+                infinite).
+        """
         if self.mins.shape[1]:
             return self
-        return Q5x8Weight(self.codes, self.high, self.scales,
-                          q5_mins(self.scales, self.mins).half())
+        mins = q5_mins(self.scales, self.mins).half()
+        if not bool(torch.isfinite(mins).all()):
+            raise ValueError("a Q5_0 weight fused with a Q5_1 one has scales whose min -16d "
+                             "is beyond float16's range; use --weights fp16")
+        return Q5x8Weight(self.codes, self.high, self.scales, mins)
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
         return q5_values(pick_rows(self.codes, rows, 4), pick_rows(self.high, rows, 4),

@@ -47,13 +47,18 @@
 // `vpdpbusd` (u8 x s8, four products and the accumulator added in int32) replaces each
 // `vpmaddubsw` + `vpmaddwd` pair (`FLARE_DPBUSD` below). The AVX-512 build also runs two
 // adjacent groups per zmm register (`Z16`, `FLARE_ZMM`): the same instructions lane for
-// lane, 16 output rows at once. The results are identical bit for
-// bit: the unsigned operand is a q4 code (0..15), a q5 code (0..31) or, with the sign
-// moved onto the activation, |c| of a q8 (<= 127) or q6k (<= 32) code, and every
-// activation is within -127..127, so no vpmaddubsw pair sum saturates and no int16 partial
-// sum wraps (the bounds are at each sum below). A block's integer sum is then the exact
-// sum of its products on both paths, and the float32 scale math after it is the same
-// instructions in the same order.
+// lane, 16 output rows at once. The results are identical bit for bit, because every
+// path computes each block's exact integer sum:
+//   - AVX2: the unsigned operand is a q4 code (0..15), a q5 code (0..31) or, with the
+//     sign moved onto the activation, |c| of a q8 (<= 127) or q6k (<= 32) code; every
+//     activation is within -127..127, so no vpmaddubsw pair sum saturates and no int16
+//     partial sum wraps (the bounds are at each sum below);
+//   - vpdpbusd builds: the q4 and q5 codes are the unsigned operand as on AVX2; for the
+//     signed q8 and q6k codes x is quantized biased (q + 128, 0..255, unsigned) and the
+//     codes are the signed operand, so sum (q + 128) c - 128 * sum c (`code_sum`, once a
+//     weight block for all rows of x) is the sum, all in int32 without saturation.
+// The float32 scale math after the integer sum is the same instructions in the same
+// order on every path.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -75,9 +80,13 @@ namespace {
 using flare_qrows::QK;
 
 // q [B, K] int8, d [B, K/32], s [B, K/32] (when not null: d * sum(q) of each block, the
-// block sum of the dequantized x, which q4's min term multiplies).
-void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* q, float* d, float* s) {
+// block sum of the dequantized x, which q4's min term multiplies). With `biased`, each
+// code is stored as the byte q + 128 (q XOR 0x80, read as uint8 0..255), the unsigned
+// operand of vpdpbusd against signed weight codes.
+void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* q, float* d, float* s,
+                   bool biased = false) {
   const int64_t nb = K / QK;
+  const __m256i flip = _mm256_set1_epi8(biased ? static_cast<char>(0x80) : 0);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < B * nb; ++b) {
@@ -101,7 +110,7 @@ void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* q, float* d, fl
     d[b] = db;
     int8_t* qb = q + b * QK;
     if (!(db > 0.0f)) {  // all zeros (codes 0, scale 0), or not finite (scale NaN)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), flip);
       if (s != nullptr) s[b] = db == 0.0f ? 0.0f : NAN;
       continue;
     }
@@ -126,15 +135,29 @@ void quantize_rows(const float* x, int64_t B, int64_t K, int8_t* q, float* d, fl
     const __m256i p16a = _mm256_packs_epi32(i32[0], i32[1]);
     const __m256i p16b = _mm256_packs_epi32(i32[2], i32[3]);
     const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b), order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), p8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_xor_si256(p8, flip));
   }
 }
 
-// Activations quantized once per call, shared by every output row.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define FLARE_DPBUSD 1
+#endif
+
+// Whether the signed-code kernels (q8, Q6_K) take x biased (`quantize_rows`): with
+// vpdpbusd, (q + 128) x c needs no per-row sign moved onto x, and the bias 128 * sum(c)
+// is one subtraction a block, computed once per weight block for every row of x.
+#ifdef FLARE_DPBUSD
+constexpr bool kBiasedSignedX = true;
+#else
+constexpr bool kBiasedSignedX = false;
+#endif
+
+// Activations quantized once per call, shared by every output row (`biased`: codes stored
+// as q + 128, see quantize_rows).
 struct QuantizedRows {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  QuantizedRows(const torch::Tensor& x, bool sums) {
+  QuantizedRows(const torch::Tensor& x, bool sums, bool biased = false) {
     const int64_t B = x.size(0), K = x.size(1);
     q.resize(B * K);
     d.resize(B * K / QK);
@@ -143,14 +166,11 @@ struct QuantizedRows {
     const int64_t nb = K / QK;
     at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // prompts: many rows
       quantize_rows(xd + b0 * K, b1 - b0, K, q.data() + b0 * K, d.data() + b0 * nb,
-                    sums ? s.data() + b0 * nb : nullptr);
+                    sums ? s.data() + b0 * nb : nullptr, biased);
     });
   }
 };
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define FLARE_DPBUSD 1
-#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define FLARE_ZMM 1  // the AVX-512 variant: two groups per zmm register (Z16 below)
 #endif
@@ -196,8 +216,15 @@ struct Y8 {
   // x with the sign of w moved onto it (zero where w is; |w| is zero there anyway)
   static I sign8(I x, I w) { return _mm256_sign_epi8(x, w); }
   static I add32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  template <int n> static I sll32(I a) { return _mm256_slli_epi32(a, n); }
   static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static I zero() { return _mm256_setzero_si256(); }
+  // asks for the `bytes` at p (a multiple of 64) in L1; a hint, it never faults
+  static void prefetch(const void* p, int64_t, int bytes) {
+    for (int o = 0; o < bytes; o += 64)
+      _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T0);
+  }
 #ifdef FLARE_DPBUSD
   // acc + (per dword lane) the sum of the 4 products u8 u[j] x s8 s[j], in int32 (wraps,
   // never saturates; the sums here stay far below 2^31)
@@ -262,8 +289,14 @@ struct Z16 {
     return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
   }
   static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  template <int n> static I sll32(I a) { return _mm512_slli_epi32(a, n); }
   static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static I zero() { return _mm512_setzero_si512(); }
+  static void prefetch(const void* p, int64_t next, int bytes) {  // both groups' bytes
+    Y8::prefetch(p, 0, bytes);
+    Y8::prefetch(static_cast<const char*>(p) + next, 0, bytes);
+  }
   static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static F to_ps(I a) { return _mm512_cvtepi32_ps(a); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -333,7 +366,29 @@ inline typename V::I dot8(const typename V::I* w, const int8_t* xb) {
   }
   return V::add32(a, b);
 }
+
+// Per dword lane, the sum of `chunks` x 4 signed codes w[0..chunks) (int32, exact): with
+// x biased by 128, sum (q + 128) c = sum q c + 128 * code_sum, so the kernels subtract
+// code_sum << 7. Two chains, as in dot8.
+template <typename V, int chunks>
+inline typename V::I code_sum(const typename V::I* w) {
+  const typename V::I ones = V::bytes(1);
+  typename V::I a = V::zero(), b = V::zero();
+  for (int s = 0; s < chunks; s += 2) {
+    a = V::dpbusd(a, ones, w[s]);
+    b = V::dpbusd(b, ones, w[s + 1]);
+  }
+  return V::add32(a, b);
+}
 #endif
+
+// How far ahead of the block being computed the group kernels ask for weight bytes
+// (V::prefetch). Decode streams every weight from memory once a call, and the hardware
+// prefetcher, following 8 (16 with Z16) interleaved streams a group, falls behind: on a
+// Zen 5 EPYC (2 threads, 48 weight copies, so not in cache) q8 at 8 rows ran 1.14-1.23x
+// faster with it and Q6_K 1.53x, q4 1.04x, 1 row 1.00-1.07x; 512 bytes ahead was slower
+// than 1,024, and 2,048 gave q8 1.15x more at 8 rows and tied elsewhere.
+constexpr int64_t PREFETCH_AHEAD = 2048;
 
 // R rows of quantized x against one q4 group (two with Z16, `next` bytes apart): acc[r]
 // (a lane per weight row). `scales.load(V{}, kb, d8, m8)` gives block kb's scales and
@@ -348,6 +403,7 @@ inline void q4_group(const uint8_t* pc, int64_t next, const Scales& scales, cons
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
+    V::prefetch(cb + PREFETCH_AHEAD, next, 128);
     I w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the rows
     for (int ch = 0; ch < 4; ++ch) {
       const I raw = V::load(cb + 32 * ch, next);
@@ -392,6 +448,9 @@ inline void q5_group(const uint8_t* pc, int64_t next, const uint8_t* ph, int64_t
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
+    V::prefetch(cb + PREFETCH_AHEAD, next, 128);
+    // the plane has a quarter of the codes' bytes: as many blocks ahead is a quarter as far
+    V::prefetch(ph + kb * 32 + PREFETCH_AHEAD / 4, next_h, 64);
     const I hb = V::load(ph + kb * 32, next_h);
     I w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the rows
     for (int ch = 0; ch < 4; ++ch) {
@@ -448,6 +507,7 @@ inline void q5_group(const uint8_t* pc, int64_t next, const uint8_t* ph, int64_t
 //   p = sc_lo * sum_{j<16}(c_j q_j) + sc_hi * sum_{j>=16}(c_j q_j)      (int32, exact)
 //   y += (d * dx) * p
 // |p| <= 2 * 128 * 16 * 32 * 127 < 2^24, so its float32 conversion is exact too.
+// x is biased (q + 128) in the vpdpbusd builds (kBiasedSignedX), signed otherwise.
 template <typename V, int R>
 inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t next_s,
                       const at::Half* pd, int64_t next_d, const int8_t* xq, const float* xd,
@@ -458,29 +518,35 @@ inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const int8_t* cb = pc + kb * 256;
-    I raw[8], mag[8];
-    for (int ch = 0; ch < 8; ++ch) {
-      raw[ch] = V::load(cb + 32 * ch, next);
-      mag[ch] = V::abs8(raw[ch]);  // |c| <= 32
-    }
+    V::prefetch(cb + PREFETCH_AHEAD, next, 256);
+    I raw[8];
+    for (int ch = 0; ch < 8; ++ch) raw[ch] = V::load(cb + 32 * ch, next);
+    const F d8 = V::half8(pd + (kb / 8) * 8, next_d);
 #ifdef FLARE_DPBUSD
     const I lo = V::i8_epi32(psc + kb * 16, next_s), hi = V::i8_epi32(psc + kb * 16 + 8, next_s);
-#else
-    const I lo = scale_pairs(psc + kb * 16), hi = scale_pairs(psc + kb * 16 + 8);
-#endif
-    const F d8 = V::half8(pd + (kb / 8) * 8, next_d);
+    // 128 * (sc_lo * sum_{j<16} c_j + sc_hi * sum_{j>=16} c_j): what x's bias adds to p
+    const I bias = V::template sll32<7>(V::add32(V::mul32(code_sum<V, 4>(raw), lo),
+                                                 V::mul32(code_sum<V, 4>(raw + 4), hi)));
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
-#ifdef FLARE_DPBUSD
-      // each half's sum is at most 16 * 32 * 127 = 65024: times a scale, far below 2^31
+      // each half's biased sum is at most 16 * 255 * 32 = 130560: times a scale (<= 128),
+      // far below 2^31
       I a32 = V::zero(), b32 = V::zero();
       for (int ch = 0; ch < 4; ++ch) {
-        a32 = V::dpbusd(a32, mag[ch], V::sign8(V::bcast(xb + 4 * ch), raw[ch]));
-        b32 = V::dpbusd(b32, mag[ch + 4], V::sign8(V::bcast(xb + 16 + 4 * ch), raw[ch + 4]));
+        a32 = V::dpbusd(a32, V::bcast(xb + 4 * ch), raw[ch]);
+        b32 = V::dpbusd(b32, V::bcast(xb + 16 + 4 * ch), raw[ch + 4]);
       }
-      const I p = V::add32(V::mul32(a32, lo), V::mul32(b32, hi));
+      const I p = V::sub32(V::add32(V::mul32(a32, lo), V::mul32(b32, hi)), bias);
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(p), acc[r]);
+    }
 #else
-      // a pair sum is at most 2 * 32 * 127 = 8128: four add up in int16 (32512)
+    I mag[8];
+    for (int ch = 0; ch < 8; ++ch) mag[ch] = V::abs8(raw[ch]);  // |c| <= 32
+    const I lo = scale_pairs(psc + kb * 16), hi = scale_pairs(psc + kb * 16 + 8);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + kb * QK;
+      // c * q = |c| * (q * sign(c)); a pair sum is at most 2 * 32 * 127 = 8128: four add
+      // up in int16 (32512)
       __m256i a16 = _mm256_maddubs_epi16(mag[0], V::sign8(V::bcast(xb), raw[0]));
       __m256i b16 = _mm256_maddubs_epi16(mag[4], V::sign8(V::bcast(xb + 16), raw[4]));
       for (int ch = 1; ch < 4; ++ch) {
@@ -490,14 +556,15 @@ inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t
             mag[ch + 4], V::sign8(V::bcast(xb + 16 + 4 * ch), raw[ch + 4])));
       }
       const I p = _mm256_add_epi32(_mm256_madd_epi16(a16, lo), _mm256_madd_epi16(b16, hi));
-#endif
       acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(p), acc[r]);
     }
+#endif
   }
 }
 
 // R rows of quantized x against one q8 group (signed codes; the next group's codes and
-// scales `next` and `next_s` elements on).
+// scales `next` and `next_s` elements on). x is biased (q + 128) in the vpdpbusd builds
+// (kBiasedSignedX), signed otherwise.
 template <typename V, int R>
 inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t next_s,
                      const int8_t* xq, const float* xd, int64_t K, typename V::F* acc) {
@@ -507,41 +574,49 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const int8_t* cb = pc + kb * 256;
-    I raw[8], mag[8];
-    for (int ch = 0; ch < 8; ++ch) {
-      raw[ch] = V::load(cb + 32 * ch, next);
-      mag[ch] = V::abs8(raw[ch]);  // |c|; codes are never -128
-    }
+    V::prefetch(cb + PREFETCH_AHEAD, next, 256);
+    I raw[8];
+    for (int ch = 0; ch < 8; ++ch) raw[ch] = V::load(cb + 32 * ch, next);
     const F d8 = V::half8(ps + kb * 8, next_s);
+#ifdef FLARE_DPBUSD
+    const I bias = V::template sll32<7>(code_sum<V, 8>(raw));  // 128 * sum(c)
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + kb * QK;
+      // sum (q + 128) c <= 32 * 255 * 127 < 2^20: exact in int32
+      I s0 = V::zero(), s1 = V::zero();  // two chains, as in dot8
+      for (int ch = 0; ch < 8; ch += 2) {
+        s0 = V::dpbusd(s0, V::bcast(xb + 4 * ch), raw[ch]);
+        s1 = V::dpbusd(s1, V::bcast(xb + 4 * ch + 4), raw[ch + 1]);
+      }
+      const I s32 = V::sub32(V::add32(s0, s1), bias);
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(s32), acc[r]);
+    }
+#else
+    I mag[8];
+    for (int ch = 0; ch < 8; ++ch) mag[ch] = V::abs8(raw[ch]);  // |c|; codes are never -128
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
       // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127 = 32258 (no
       // saturation), so each goes to int32 before the next is added
-#ifdef FLARE_DPBUSD
-      I s0 = V::zero(), s1 = V::zero();  // two chains, as in dot8
-      for (int ch = 0; ch < 8; ch += 2) {
-        s0 = V::dpbusd(s0, mag[ch], V::sign8(V::bcast(xb + 4 * ch), raw[ch]));
-        s1 = V::dpbusd(s1, mag[ch + 1], V::sign8(V::bcast(xb + 4 * ch + 4), raw[ch + 1]));
-      }
-      const I s32 = V::add32(s0, s1);
-#else
       I s32 = V::zero();
       for (int ch = 0; ch < 8; ++ch) {
         const I xs = V::sign8(V::bcast(xb + 4 * ch), raw[ch]);
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs),
                                                       _mm256_set1_epi16(1)));
       }
-#endif
       acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(s32), acc[r]);
     }
+#endif
   }
 }
 
-// Rows of x a pass over a group: 4 (registers: 8 codes, 4 sums, 4 more); with Z16, 8 for
-// the 4- and 5-bit formats (8 codes, 8 sums and the rest fit the 32 zmm registers; the
-// byte formats' 16 code registers leave no room, and 8 rows measured 10% slower there).
+// Rows of x a pass over a group: 4 with Y8 (registers: 8 codes, 4 sums, 4 more); with
+// Z16, 8 (8 codes, 8 sums and the rest fit the 32 zmm registers). The byte formats fit 8
+// since x is biased for them (no |c| registers beside the codes): q8 at 128-512 rows of
+// 1536 x 768 went 1.40x faster (Zen 5, 2 threads, in cache), Q6_K 1.29x, from the bias
+// and the 8 rows together.
 constexpr int64_t TILE = 4;
-constexpr int64_t NIBBLE_ZTILE = 8;
+constexpr int64_t ZTILE = 8;
 // Calls with fewer rows of x (decode up to 4 sequences) take Y8 in the AVX-512 variant
 // too: there the weights stream from memory once a call, and on a Zen 4 EPYC (2 cores,
 // 32 MiB L3) Z16's paired loads ran 1.2-1.4x slower than Y8 at 1-4 rows over 30 layers'
@@ -549,7 +624,7 @@ constexpr int64_t NIBBLE_ZTILE = 8;
 // they tie or Z16 wins. Both give the same bits, so this chooses speed only.
 constexpr int64_t ZMM_MIN_ROWS = 5;
 template <typename V>
-constexpr int64_t nibble_rows = std::is_same_v<V, Y8> ? TILE : NIBBLE_ZTILE;
+constexpr int64_t tile_rows = std::is_same_v<V, Y8> ? TILE : ZTILE;
 
 // Group g's outputs (and g + 1's with Z16) for every row of x, in tiles of T rows (the
 // group's weights stay in L1 between tiles).
@@ -564,10 +639,10 @@ inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& gro
 }
 
 // Splits the N / 8 groups over torch's threads, in pairs: with Z16 when B >= ZMM_MIN_ROWS
-// (a lone last group takes Y8), ZT rows of x a Z16 pass and TILE a Y8 one.
+// (a lone last group takes Y8), ZTILE rows of x a Z16 pass and TILE a Y8 one.
 // `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 + rows of x against group g (and
 // g + 1 with Z16) into acc.
-template <int64_t ZT, typename GroupFn>
+template <typename GroupFn>
 void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
   const int64_t G = N / 8;
 #ifdef FLARE_ZMM
@@ -581,7 +656,7 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
     for (int64_t u = u0; u < u1; ++u) {
 #ifdef FLARE_ZMM
       if (W * u + 1 < G && B >= ZMM_MIN_ROWS) {
-        group_rows<Z16, ZT>(B, N, out, W * u, group);
+        group_rows<Z16, ZTILE>(B, N, out, W * u, group);
         continue;
       }
 #endif
@@ -631,11 +706,11 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
-                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+  for_groups(B, N, y.data_ptr<float>(),
+             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
-    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+    FLARE_DISPATCH_GTILE(rows, tile_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
                                             xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
@@ -652,17 +727,16 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
-  const QuantizedRows xr(x, false);
+  const QuantizedRows xr(x, false, kBiasedSignedX);
   const int8_t* c = codes.data_ptr<int8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
-  for_groups<TILE>(B, N, y.data_ptr<float>(),
-                   [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+  for_groups(B, N, y.data_ptr<float>(),
+             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
-    FLARE_DISPATCH_GTILE(rows, TILE,
+    FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q8_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 8,
-                                               nb * 8,
-                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
-                                            acc)));
+                                         nb * 8, xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
+                                         K, acc)));
   });
   return y;
 }
@@ -712,12 +786,12 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
-  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
-                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+  for_groups(B, N, y.data_ptr<float>(),
+             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
                        nb};
-    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+    FLARE_DISPATCH_GTILE(rows, tile_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
                                             xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
@@ -736,14 +810,14 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
-  const QuantizedRows xr(x, false);
+  const QuantizedRows xr(x, false, kBiasedSignedX);
   const int8_t* c = codes.data_ptr<int8_t>();
   const int8_t* sc = scales.data_ptr<int8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
-  for_groups<TILE>(B, N, y.data_ptr<float>(),
-                   [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+  for_groups(B, N, y.data_ptr<float>(),
+             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
-    FLARE_DISPATCH_GTILE(rows, TILE,
+    FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q6k_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 16,
                                                 nb * 16, pd + g * nb, nb,
                                              xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
@@ -772,11 +846,11 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = derived ? nullptr : mins.data_ptr<at::Half>();
   const auto run = [&](auto scales_of) {
-    for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
-                             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+    for_groups(B, N, y.data_ptr<float>(),
+               [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
       using V = decltype(lanes);
       const auto gs = scales_of(g);
-      FLARE_DISPATCH_GTILE(rows, nibble_rows<V>,
+      FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                            (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
                                            nb * 32, gs, xr.q.data() + b0 * K,
                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb,
@@ -810,12 +884,12 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
-  for_groups<NIBBLE_ZTILE>(B, N, y.data_ptr<float>(),
-                           [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+  for_groups(B, N, y.data_ptr<float>(),
+             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
     const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
                        nb};
-    FLARE_DISPATCH_GTILE(rows, nibble_rows<V>,
+    FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
                                                nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,

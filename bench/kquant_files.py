@@ -19,7 +19,8 @@ from flare.cache_dir import default_cache_dir
 
 # llama.cpp's ftype constant for each file kind the benchmarks write
 FTYPES = {"Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K",
-          "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+          "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+          "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
 FLOAT_TYPES = ("F32", "F16", "BF16")  # what llama.cpp quantizes without allow_requantize
 
 

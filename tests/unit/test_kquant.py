@@ -40,13 +40,14 @@ from flare.models.quant.blocks import quantize_q8
 from flare.models.quant.formats import native_format
 from flare.models.quant.gguf_blocks import (
     GGUFBlocks,
+    q4_from_gguf,
     q4_k_from_gguf,
     q5_0_from_gguf,
     q5_from_gguf,
     q5_k_from_gguf,
     q6_k_from_gguf,
 )
-from flare.models.quant.interleaved import Q8x8Weight
+from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
 from flare.models.quant.linear import Linear
 from flare.models.quant.q5 import Q5Kx8Weight, Q5x8Weight
@@ -129,7 +130,7 @@ def quantize_k(a: np.ndarray, kind: str) -> np.ndarray:
 
 
 SIZES = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q5_0": (32, 22),
-         "Q5_1": (32, 24)}
+         "Q5_1": (32, 24), "Q4_0": (32, 18), "Q4_1": (32, 20)}
 
 
 def random_k_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -139,12 +140,12 @@ def random_k_blocks(kind: str, n: int, k: int, seed: int) -> np.ndarray:
     values, size = SIZES[kind]
     s = n * k // values
     d = (rng.uniform(0.5, 2, s) * 10.0 ** rng.integers(-5, -1, s)).astype(np.float16)
-    if kind in ("Q4_K", "Q5_K", "Q5_0", "Q5_1"):
+    if kind != "Q6_K":
         raw = rng.integers(0, 256, (s, size), dtype=np.uint8)
         raw[:, 0:2] = d.reshape(-1, 1).view(np.uint8)
-        if kind != "Q5_0":  # dmin, or Q5_1's m (of either sign)
+        if kind not in ("Q5_0", "Q4_0"):  # dmin, or Q5_1's / Q4_1's m (of either sign)
             sign = np.where(rng.random(s) < 0.5, -1, 1).astype(np.float16)
-            second = d[::-1] * np.float16(0.7) * (sign if kind == "Q5_1" else 1)
+            second = d[::-1] * np.float16(0.7) * (sign if kind in ("Q5_1", "Q4_1") else 1)
             raw[:, 2:4] = second.reshape(-1, 1).view(np.uint8)
     else:
         raw = rng.integers(0, 256, (s, 210), dtype=np.uint8)
@@ -165,12 +166,14 @@ def _served(kind: str, raw: np.ndarray, name: str = "w"):
         return Q5Kx8Weight.of(*q5_k_from_gguf(b, name), name=name)
     if kind == "Q6_K":
         return Q6Kx8Weight.of(*q6_k_from_gguf(b, name), name=name)
+    if kind in ("Q4_0", "Q4_1"):
+        return Q4x8Weight.of(*q4_from_gguf(b, name), name=name)
     return Q5x8Weight.of(*q5_from_gguf(b, name), name=name)
 
 
 # ---- readers and values --------------------------------------------------------------------
 
-KINDS = ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"]
+KINDS = ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -221,7 +224,9 @@ def _bound(w, x_int8: torch.Tensor) -> torch.Tensor:
     from dataclasses import replace
 
     k = x_int8.shape[1]
-    if isinstance(w, (Q4Kx8Weight, Q5Kx8Weight, Q5x8Weight)):
+    if hasattr(w, "with_mins"):  # Q4_0 / Q5_0: the mins the kernel computes, as stored
+        w = w.with_mins()
+    if isinstance(w, (Q4Kx8Weight, Q5Kx8Weight, Q5x8Weight, Q4x8Weight)):
         zero = {"codes": torch.zeros_like(w.codes)}
         if hasattr(w, "high"):
             zero["high"] = torch.zeros_like(w.high)
@@ -282,29 +287,29 @@ def test_kernel_rows_do_not_depend_on_their_batch_or_threads(kind):
 
 
 @needs_kernel
-def test_q5_0_holds_no_mins_and_gives_the_stored_mins_bits():
-    """A Q5_0 weight is held in the file's 5.5 bits a value (no mins part: the kernel
-    and `dequantize` compute -16d). Its rows equal, bit for bit, the same weight with
-    -16d stored as float16 (what Flare held before), and fused with a Q5_1 weight
-    (mins for both) each part keeps its own rows."""
-    w = _random_weight("Q5_0", 40, 768, seed=21)
+@pytest.mark.parametrize("kind, paired, bits", [("Q5_0", "Q5_1", 5.5), ("Q4_0", "Q4_1", 4.5)])
+def test_q4_0_and_q5_0_hold_no_mins_and_give_the_stored_mins_bits(kind, paired, bits):
+    """A Q4_0 / Q5_0 weight is held in the file's 4.5 / 5.5 bits a value (no mins part:
+    the kernel and `dequantize` compute -8d / -16d). Its rows equal, bit for bit, the
+    same weight with the min stored as float16 (what Flare held before), and fused with a
+    Q4_1 / Q5_1 weight (mins for both) each part keeps its own rows."""
+    w = _random_weight(kind, 40, 768, seed=21)
     assert w.mins.shape == (40, 0)
-    assert w.nbytes * 8 == 40 * 768 * 5.5
+    assert w.nbytes * 8 == 40 * 768 * bits
     stored = w.with_mins()
     assert stored.mins.shape == (40, 24) and torch.equal(stored.dequantize(), w.dequantize())
+    ids = torch.tensor([0, 9, 39, 8])
+    assert torch.equal(w[ids], stored[ids])  # the embedding lookup
     x = torch.randn(37, 768) * 2
     assert torch.equal(Linear(w, None, torch.float32)(x),
                        Linear(stored, None, torch.float32)(x))
-    q51 = _random_weight("Q5_1", 16, 768, seed=22)
-    fused = cat_weights([w, q51])
-    assert isinstance(fused, Q5x8Weight) and fused.mins.shape == (56, 24)
-    parts = torch.cat([Linear(p, None, torch.float32)(x) for p in (w, q51)], dim=1)
+    other = _random_weight(paired, 16, 768, seed=22)
+    fused = cat_weights([w, other])
+    assert isinstance(fused, type(w)) and fused.mins.shape == (56, 24)
+    parts = torch.cat([Linear(p, None, torch.float32)(x) for p in (w, other)], dim=1)
     assert torch.equal(Linear(fused, None, torch.float32)(x), parts)
     assert torch.equal(cat_weights([w, w]).dequantize(),
                        torch.cat([w.dequantize(), w.dequantize()]))
-    huge = Q5x8Weight(w.codes, w.high, torch.full_like(w.scales, 8192.0), w.mins)
-    with pytest.raises(ValueError, match="beyond float16's range"):
-        cat_weights([huge, q51])  # its -16d = -131072 has no float16
 
 
 @needs_kernel

@@ -93,6 +93,8 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
     step = _attention_problem(g, [5, 40 + rows, 9], 1, heads=(4, 1), head_dim=24)
     return [
         ("q4x8_linear", lambda m: m.q4x8_linear(x, *q4)),
+        ("q4x8_linear (Q4_0: no mins)",
+         lambda m: m.q4x8_linear(x, *q4[:2], torch.empty(N, 0, dtype=torch.float16))),
         ("q8x8_linear", lambda m: m.q8x8_linear(x, *q8)),
         ("q4kx8_linear", lambda m: m.q4kx8_linear(x, *q4k)),
         ("q6kx8_linear", lambda m: m.q6kx8_linear(x, *q6k)),

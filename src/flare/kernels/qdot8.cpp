@@ -321,17 +321,18 @@ struct HalfScales {
   }
 };
 
-// A Q5_0 group's block scales (float16 [nb, 8], `next` elements on to the next group's)
-// and mins derived from them: min -16d, exact in float32 (a power-of-two multiple), so
-// the very value a stored float16 -16d would widen to. Saves the 0.5 bits a weight a
-// stored min takes.
+// The block scales of a Q4_0 or Q5_0 group (float16 [nb, 8], `next` elements on to the
+// next group's) and mins derived from them: min `factor` x d (-8 for Q4_0, -16 for Q5_0),
+// exact in float32 (a power-of-two multiple), so the very value a stored float16 min
+// would widen to. Saves the 0.5 bits a weight a stored min takes.
 struct DerivedMinScales {
   const at::Half* d;
   int64_t next;
+  float factor;
   template <typename V>
   inline void load(V, int64_t kb, typename V::F& d8, typename V::F& m8) const {
     d8 = V::half8(d + kb * 8, next);
-    m8 = V::mul(d8, V::set1(-16.0f));
+    m8 = V::mul(d8, V::set1(factor));
   }
 };
 
@@ -697,24 +698,33 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
               "q4 codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_packed(x, codes, scales, K);
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.scalar_type() == torch::kHalf &&
-                  mins.is_contiguous(), "mins must be float16 like scales");
+  // Q4_0 holds no mins ([N, 0]): each is -8 times its scale
+  const bool derived = mins.dim() == 2 && mins.size(0) == N && mins.size(1) == 0;
+  TORCH_CHECK((derived || mins.sizes() == scales.sizes()) &&
+                  mins.scalar_type() == torch::kHalf && mins.is_contiguous(),
+              "mins must be float16 like scales, or [N, 0] (Q4_0)");
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const at::Half* sc = scales.data_ptr<at::Half>();
-  const at::Half* mn = mins.data_ptr<at::Half>();
-  for_groups(B, N, y.data_ptr<float>(),
-             [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
-    using V = decltype(lanes);
-    const HalfScales gs{sc + g * nb * 8, mn + g * nb * 8, nb * 8};
-    FLARE_DISPATCH_GTILE(rows, tile_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
-                                            xr.q.data() + b0 * K,
-                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
-                                            acc)));
-  });
+  const at::Half* mn = derived ? nullptr : mins.data_ptr<at::Half>();
+  const auto run = [&](auto scales_of) {
+    for_groups(B, N, y.data_ptr<float>(),
+               [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
+      using V = decltype(lanes);
+      const auto gs = scales_of(g);
+      FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
+                           (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+                                           xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
+                                           xr.s.data() + b0 * nb, K, acc)));
+    });
+  };
+  if (derived)
+    run([&](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8, -8.0f}; });
+  else
+    run([&](int64_t g) { return HalfScales{sc + g * nb * 8, mn + g * nb * 8, nb * 8}; });
   return y;
 }
 
@@ -858,7 +868,7 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
     });
   };
   if (derived)
-    run([&](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8}; });
+    run([&](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8, -16.0f}; });
   else
     run([&](int64_t g) { return HalfScales{sc + g * nb * 8, mn + g * nb * 8, nb * 8}; });
   return y;
@@ -945,7 +955,8 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
 
 void flare_register_qdot8(pybind11::module_& m) {
   m.def("q4x8_linear", &q4x8_linear,
-        "y[B, N] = x[B, K] @ dequant_q4(W)^T with x quantized to int8 blocks, float32",
+        "y[B, N] = x[B, K] @ dequant_q4(W)^T with x quantized to int8 blocks, float32; "
+        "mins [N, 0] (Q4_0): each block's min is -8 x its scale",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
         pybind11::arg("mins"));
   m.def("q8x8_linear", &q8x8_linear,

@@ -105,8 +105,9 @@ fp16 0.78 / 1.37 / 46.3 ms. PyTorch's weight-only int8 and int4 CPU kernels
   "Exactness") a request's logits do not depend on chunking, reuse or batch. It is the
   default for a GGUF of Q4_1 or Q4_0 layers (`default_weight_format`), built from the
   file's own blocks (`convert_tensors(..., blocks=)`, `native_weight`): Q4_1 blocks as
-  they are, a Q4_0 block (d, codes q, value d * (q - 8)) as the Q4_1 block with scale d
-  and min -8d, the same codes, exact; a Q8_0, Q4_0 or Q4_1 embedding / output layer as
+  they are, a Q4_0 block (d, codes q, value d * (q - 8)) as its scale d and codes with no
+  min held (4.5 bits a value, as in the file: the kernel and `dequantize` compute the
+  min -8d, exact); a Q8_0, Q4_0 or Q4_1 embedding / output layer as
   its own blocks, an F16 / BF16 / F32 one as a float tensor run by the dense kernels.
   Activation rounding moves
   the embedded model's logits by up to about 1.7 against the float product (next-token

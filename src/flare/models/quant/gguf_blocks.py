@@ -72,13 +72,13 @@ def _fp16_field(blocks: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def q4_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...]:
-    """(codes uint8 [N, K/2], scales, mins float16 [N, K/32]) of a Q4_0 or Q4_1 weight,
-    the file's own values: Q4_1's d, m and codes; for Q4_0 its d, min -8d (exact in
-    float16: a power-of-two multiple) and its codes.
+    """(codes uint8 [N, K/2], scales float16 [N, K/32], mins) of a Q4_0 or Q4_1 weight,
+    the file's own values: Q4_1's d, m (mins float16 [N, K/32]) and codes; Q4_0's d, its
+    codes and no mins (float16 [N, 0]: its min -8d is computed where it is used, exactly,
+    and d * q - 8d = d * (q - 8) in float32).
 
     Raises:
-        ValueError: another type, or a Q4_0 scale whose -8d overflows float16 (naming
-            `name`).
+        ValueError: another type (naming `name`).
     """
     blocks = _block_fields(b)
     n = blocks.shape[0]
@@ -87,11 +87,7 @@ def q4_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, ...
         return blocks[..., 4:].reshape(n, -1), d, _fp16_field(blocks, 2)
     if b.kind != "Q4_0":
         raise ValueError(f"weight {name!r} is {b.kind}, not Q4_0 or Q4_1")
-    m = (d.float() * -8).half()
-    if not bool(torch.isfinite(m).all()):
-        raise ValueError(f"weight {name!r} has Q4_0 scales whose min -8d is beyond "
-                         f"float16's range; use --weights fp16")
-    return blocks[..., 2:].reshape(n, -1), d, m
+    return blocks[..., 2:].reshape(n, -1), d, torch.empty(n, 0, dtype=torch.float16)
 
 
 def q8_from_gguf(b: GGUFBlocks, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:

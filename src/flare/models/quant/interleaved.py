@@ -63,13 +63,23 @@ def _half(t: torch.Tensor, name: str) -> torch.Tensor:
     return h
 
 
+def q4_mins(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """float32 block mins [N, K/32] (either layout): `mins` widened, or for Q4_0's empty
+    mins ([N, 0]) -8 x `scales` (exact in float32: a power-of-two multiple of a
+    float16, the value a stored float16 -8d widens to)."""
+    return scales.float() * -8 if mins.shape[-1] == 0 else mins.float()
+
+
 @dataclass(frozen=True)
 class Q4x8Weight:
     """A `Q4Weight` [N, K] in the 8-row interleaved layout, run with int8 activations.
 
     Attributes:
-        codes: uint8 [N, K/2]; scales, mins: float16 [N, K/32] (see the layout above;
-            float16 as in a GGUF's Q4_1 blocks: `pack` rounds float32 ones to nearest).
+        codes: uint8 [N, K/2]; scales: float16 [N, K/32] (see the layout above; float16
+            as in a GGUF's Q4_1 blocks: `pack` rounds float32 ones to nearest).
+        mins: float16 [N, K/32] (group layout); a Q4_0 weight holds none, float16
+            [N, 0]: its min is -8d, which the kernel and `dequantize` compute (exact), so
+            it takes 4.5 bits a value, as in the file.
     """
 
     codes: torch.Tensor
@@ -79,12 +89,12 @@ class Q4x8Weight:
     @classmethod
     def of(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
            name: str = "weight") -> Q4x8Weight:
-        """From row-order parts (codes uint8 [N, K/2]; scales, mins float16 [N, K/32], as
-        `q4_from_gguf` reads them). Raises ValueError: N is not a multiple of 8 (naming
-        `name`)."""
+        """From row-order parts (codes uint8 [N, K/2]; scales float16 [N, K/32]; mins
+        float16 [N, K/32] or [N, 0], as `q4_from_gguf` reads them). Raises ValueError: N
+        is not a multiple of 8 (naming `name`)."""
         check_groups(codes.shape[0], name)
         return cls(interleave(codes.contiguous(), 4), interleave(scales, 1),
-                   interleave(mins, 1))
+                   interleave(mins, 1) if mins.shape[1] else mins.contiguous())
 
     @classmethod
     def pack(cls, w: Q4Weight, name: str = "weight") -> Q4x8Weight:
@@ -93,8 +103,21 @@ class Q4x8Weight:
         return cls.of(w.codes, _half(w.scales, name), _half(w.mins, name), name)
 
     def unpack(self) -> Q4Weight:
+        """The row-order `Q4Weight` (float32 scales and mins; Q4_0's mins computed)."""
         return Q4Weight(deinterleave(self.codes, 4), deinterleave(self.scales, 1).float(),
-                        deinterleave(self.mins, 1).float())
+                        deinterleave(q4_mins(self.scales, self.mins), 1))
+
+    def with_mins(self) -> Q4x8Weight:
+        """This weight with its mins stored (Q4_0's -8d as float16, exact), so it can be
+        fused along the output axis with a Q4_1 weight (`cat_weights`); the same values.
+
+        Raises:
+            ValueError: a Q4_0 scale whose -8d is beyond float16's range.
+        """
+        if self.mins.shape[1]:
+            return self
+        return Q4x8Weight(self.codes, self.scales,
+                          _half(q4_mins(self.scales, self.mins), "weight"))
 
     shape = Q4Weight.shape
     nbytes = Q4Weight.nbytes
@@ -110,9 +133,11 @@ class Q4x8Weight:
         t = codes.shape[0]
         c = codes.reshape(t, -1, QBLOCK // 2)
         q = torch.cat([c & 0xF, c >> 4], dim=-1).float()  # [T, K/32, 32]
-        scales = self.scales.view(n // 8, k // QBLOCK, 8)[g, :, i].float()
-        mins = self.mins.view(n // 8, k // QBLOCK, 8)[g, :, i].float()
-        return (q * scales.unsqueeze(-1) + mins.unsqueeze(-1)).view(t, k)
+        scales = self.scales.view(n // 8, k // QBLOCK, 8)[g, :, i]
+        mins = (self.mins.view(n // 8, k // QBLOCK, 8)[g, :, i] if self.mins.shape[1]
+                else torch.empty(t, 0, dtype=torch.float16))
+        return (q * scales.float().unsqueeze(-1)
+                + q4_mins(scales, mins).unsqueeze(-1)).view(t, k)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], as `Q4Weight.dequantize` of the unpacked blocks."""

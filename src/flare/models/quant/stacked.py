@@ -75,8 +75,8 @@ def cat_weights(weights: list[torch.Tensor | QuantizedWeight]
                 runs.append([w])
         return StackedWeight(tuple(cat_weights(r) for r in runs))
     kind = kinds.pop()
-    if kind is Q5x8Weight and len({w.mins.shape[1] for w in weights}) > 1:
-        weights = [w.with_mins() for w in weights]  # Q5_0 beside Q5_1: mins for all
+    if kind in (Q4x8Weight, Q5x8Weight) and len({w.mins.shape[1] for w in weights}) > 1:
+        weights = [w.with_mins() for w in weights]  # Q4_0 / Q5_0 beside Q4_1 / Q5_1
     if kind in BLOCK_KINDS:  # groups stack as rows
         return kind(*(torch.cat(p) for p in zip(*(w.parts() for w in weights))))
     return torch.cat(weights)

@@ -685,6 +685,25 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
     default: { constexpr int R = 4; CALL; } break;                 \
   }
 
+void check_part(const torch::Tensor& t, const char* what, torch::ScalarType type, int64_t N,
+                int64_t cols) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == type && t.is_contiguous() &&
+                  t.size(0) == N && t.size(1) == cols,
+              what, " must be contiguous ", type, " [", N, ", ", cols, "]");
+}
+
+// Calls run(scales_of), scales_of(g) giving group g's block scales and mins (nb blocks a
+// group): the stored float16 mins `mn`, or, for a weight that holds none (mn null: Q4_0,
+// Q5_0), `factor` x each scale (DerivedMinScales).
+template <typename Run>
+void with_block_scales(const at::Half* sc, const at::Half* mn, int64_t nb, float factor,
+                       Run run) {
+  if (mn == nullptr)
+    run([=](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8, factor}; });
+  else
+    run([=](int64_t g) { return HalfScales{sc + g * nb * 8, mn + g * nb * 8, nb * 8}; });
+}
+
 void check_packed(const torch::Tensor& x, const torch::Tensor& codes,
                   const torch::Tensor& scales, int64_t K) {
   flare_qrows::check_common(x, codes, scales, K, torch::kHalf);
@@ -699,32 +718,24 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_packed(x, codes, scales, K);
   // Q4_0 holds no mins ([N, 0]): each is -8 times its scale
-  const bool derived = mins.dim() == 2 && mins.size(0) == N && mins.size(1) == 0;
-  TORCH_CHECK((derived || mins.sizes() == scales.sizes()) &&
-                  mins.scalar_type() == torch::kHalf && mins.is_contiguous(),
-              "mins must be float16 like scales, or [N, 0] (Q4_0)");
+  const bool derived = mins.dim() == 2 && mins.size(1) == 0;
+  check_part(mins, "q4 mins", torch::kHalf, N, derived ? 0 : K / QK);
   auto y = torch::empty({B, N}, x.options());
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = derived ? nullptr : mins.data_ptr<at::Half>();
-  const auto run = [&](auto scales_of) {
+  with_block_scales(scales.data_ptr<at::Half>(), mn, nb, -8.0f, [&](auto scales_of) {
     for_groups(B, N, y.data_ptr<float>(),
                [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
       using V = decltype(lanes);
-      const auto gs = scales_of(g);
       FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
-                           (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
+                           (q4_group<V, R>(c + g * nb * 128, nb * 128, scales_of(g),
                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                            xr.s.data() + b0 * nb, K, acc)));
     });
-  };
-  if (derived)
-    run([&](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8, -8.0f}; });
-  else
-    run([&](int64_t g) { return HalfScales{sc + g * nb * 8, mn + g * nb * 8, nb * 8}; });
+  });
   return y;
 }
 
@@ -759,13 +770,6 @@ void check_k(const torch::Tensor& x, const torch::Tensor& codes, int64_t K) {
   TORCH_CHECK(codes.is_contiguous() && codes.size(0) % 8 == 0,
               "packed weights have contiguous codes and a multiple of 8 rows, got ",
               codes.size(0));
-}
-
-void check_part(const torch::Tensor& t, const char* what, torch::ScalarType type, int64_t N,
-                int64_t cols) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == type && t.is_contiguous() &&
-                  t.size(0) == N && t.size(1) == cols,
-              what, " must be contiguous ", type, " [", N, ", ", cols, "]");
 }
 
 // the scale parts Q4_K and Q5_K share: a scale and a min byte per 32-block, and each
@@ -853,24 +857,18 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const QuantizedRows xr(x, true);
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const uint8_t* h = high.data_ptr<uint8_t>();
-  const at::Half* sc = scales.data_ptr<at::Half>();
   const at::Half* mn = derived ? nullptr : mins.data_ptr<at::Half>();
-  const auto run = [&](auto scales_of) {
+  with_block_scales(scales.data_ptr<at::Half>(), mn, nb, -16.0f, [&](auto scales_of) {
     for_groups(B, N, y.data_ptr<float>(),
                [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
       using V = decltype(lanes);
-      const auto gs = scales_of(g);
       FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                            (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
-                                           nb * 32, gs, xr.q.data() + b0 * K,
+                                           nb * 32, scales_of(g), xr.q.data() + b0 * K,
                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb,
                                            K, acc)));
     });
-  };
-  if (derived)
-    run([&](int64_t g) { return DerivedMinScales{sc + g * nb * 8, nb * 8, -16.0f}; });
-  else
-    run([&](int64_t g) { return HalfScales{sc + g * nb * 8, mn + g * nb * 8, nb * 8}; });
+  });
   return y;
 }
 

@@ -21,6 +21,8 @@ Q5_1 blocks come from gguf's own quantizer or random bytes. Checked:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -221,7 +223,6 @@ def _bound(w, x_int8: torch.Tensor) -> torch.Tensor:
     times sum_j |w_j| |x_j| over the block terms (|scale * code| + |min| for the kinds with
     a min), where nb = K / 32 blocks: each block adds one rounded scale product d * dx and
     one or two rounded FMAs; the integer sums themselves are exact."""
-    from dataclasses import replace
 
     k = x_int8.shape[1]
     if hasattr(w, "with_mins"):  # Q4_0 / Q5_0: the mins the kernel computes, as stored
@@ -310,6 +311,9 @@ def test_q4_0_and_q5_0_hold_no_mins_and_give_the_stored_mins_bits(kind, paired, 
     assert torch.equal(Linear(fused, None, torch.float32)(x), parts)
     assert torch.equal(cat_weights([w, w]).dequantize(),
                        torch.cat([w.dequantize(), w.dequantize()]))
+    huge = replace(w, scales=torch.full_like(w.scales, 8192.0))
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        cat_weights([huge, other])  # its -8d / -16d (-65536 / -131072) has no float16
 
 
 @needs_kernel

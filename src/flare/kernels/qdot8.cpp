@@ -50,7 +50,7 @@
 // lane, 16 output rows at once. The results are identical bit for bit, because every
 // path computes each block's exact integer sum:
 //   - AVX2: the unsigned operand is a q4 code (0..15), a q5 code (0..31) or, with the
-//     sign moved onto the activation, |c| of a q8 (<= 127) or q6k (<= 32) code; every
+//     sign moved onto the activation, |c| of a q8 (<= 128) or q6k (<= 32) code; every
 //     activation is within -127..127, so no vpmaddubsw pair sum saturates and no int16
 //     partial sum wraps (the bounds are at each sum below);
 //   - vpdpbusd builds: the q4 and q5 codes are the unsigned operand as on AVX2; for the
@@ -583,7 +583,7 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
     const I bias = V::template sll32<7>(code_sum<V, 8>(raw));  // 128 * sum(c)
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
-      // sum (q + 128) c <= 32 * 255 * 127 < 2^20: exact in int32
+      // |sum (q + 128) c| <= 32 * 255 * 128 < 2^20: exact in int32
       I s0 = V::zero(), s1 = V::zero();  // two chains, as in dot8
       for (int ch = 0; ch < 8; ch += 2) {
         s0 = V::dpbusd(s0, V::bcast(xb + 4 * ch), raw[ch]);
@@ -594,10 +594,10 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
     }
 #else
     I mag[8];
-    for (int ch = 0; ch < 8; ++ch) mag[ch] = V::abs8(raw[ch]);  // |c|; codes are never -128
+    for (int ch = 0; ch < 8; ++ch) mag[ch] = V::abs8(raw[ch]);  // |c| (-128: byte 0x80, 128 unsigned)
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + kb * QK;
-      // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 127 * 127 = 32258 (no
+      // c * q = |c| * (q * sign(c)); a pair sum reaches 2 * 128 * 127 = 32512 (no
       // saturation), so each goes to int32 before the next is added
       I s32 = V::zero();
       for (int ch = 0; ch < 8; ++ch) {

@@ -44,7 +44,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 # 8: `kx8` holds Q5_0, Q5_1 and Q5_K blocks as stored (5 bits a value) under new
 #    suffixes (`.q5x8_*`, `.q5kx8_*`), run by new kernels (q5x8_linear, q5kx8_linear);
 #    Q5_0 is no longer q8x8 blocks there, and Q5_K_M / Q5_1 files default to `kx8`.
-EXECUTION_ABI: int = 8
+# 9: Q4_0 (`q4x8`) and Q5_0 (`kx8`) weights hold no mins part (an empty float16 [N, 0]
+#    `.q4x8_mins` / `.q5x8_mins`): the kernels and lookups compute -8d / -16d; an older
+#    runtime would accept such a package and then fail on its first Q4_0 / Q5_0 call.
+EXECUTION_ABI: int = 9
 # Bump when the package format (manifest fields, payload files) changes.
 # 2: `state_layout` in the manifest; state slots and checkpoints in the plan; state pool
 #    bytes in the memory report; hybrid recipes' config is their original config dict.

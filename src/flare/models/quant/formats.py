@@ -55,8 +55,8 @@ def check_weight_format(fmt: str, *, dtype: str, device: str, recipe: str) -> No
 # GGUF tensor types whose values a format holds exactly when it is built from the file's
 # blocks (`convert_tensors(..., blocks=)`; norms stay float32):
 # - `q4x8` layers: Q4_1 blocks are its own (codes, float16 scale and min); a Q4_0 block
-#   (d, codes q, value d * (q - 8)) is the Q4_1 block with scale d and min -8d, the same
-#   codes (-8d is exact in float16). Re-quantizing Q4_0's floats as Q4_1 would move a
+#   (d, codes q, value d * (q - 8)) is its scale d and codes with no min held (the kernel
+#   and the lookups compute -8d, exact in float32). Re-quantizing Q4_0's floats as Q4_1 would move a
 #   block that does not use both extreme codes, so they are never re-quantized.
 # - `q8x8` layers: Q8_0 blocks are its own; a Q4_0 block is the Q8_0 block with scale d
 #   and codes q - 8.

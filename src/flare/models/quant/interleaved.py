@@ -112,12 +112,16 @@ class Q4x8Weight:
         fused along the output axis with a Q4_1 weight (`cat_weights`); the same values.
 
         Raises:
-            ValueError: a Q4_0 scale whose -8d is beyond float16's range.
+            ValueError: a scale whose -8d is beyond float16's range (it would turn
+                infinite).
         """
         if self.mins.shape[1]:
             return self
-        return Q4x8Weight(self.codes, self.scales,
-                          _half(q4_mins(self.scales, self.mins), "weight"))
+        mins = q4_mins(self.scales, self.mins).half()
+        if not bool(torch.isfinite(mins).all()):
+            raise ValueError("a Q4_0 weight fused with a Q4_1 one has scales whose min -8d "
+                             "is beyond float16's range; use --weights fp16")
+        return Q4x8Weight(self.codes, self.scales, mins)
 
     shape = Q4Weight.shape
     nbytes = Q4Weight.nbytes

@@ -19,7 +19,7 @@ log = logging.getLogger("flare.kernels")
 
 SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fused.cpp",
                                                  "attention.cpp", "recurrent.cpp", "dense.cpp",
-                                                 "layers.cpp", "sample.cpp")]
+                                                 "layers.cpp", "sample.cpp", "rows.cpp")]
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h", "ops.h")]  # included by the sources
 # -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp

@@ -53,7 +53,7 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
     """A fixed random problem for every int8 kernel, the dense linears and attention:
     (name, call) pairs, each call taking a kernel module and returning its result (a
     tensor or a tuple of tensors). x is float32 [rows, K] with one all-zero block; the weights are
-    random codes within each format's range (q8 -127..127, q6k -32..31, 6-bit K-quant
+    random codes within each format's range (q8 -128..127, q6k -32..31, 6-bit K-quant
     scales and mins, any byte for 4-bit codes and fifth bits) and random float16 scales,
     N = 24 rows. With `extremes`, every activation code is +-127 and every weight code
     one end of its range: the largest integer sums the kernels meet."""
@@ -80,7 +80,7 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
     x[0, 32:64] = 0
     nb, ns = K // 32, K // 256
     q4 = (u8(K // 2), half(nb), half(nb))
-    q8 = (i8(K, -127, 128), half(nb))
+    q8 = (i8(K, -128, 128), half(nb))  # -128: a file may hold it (|w| = 128)
     q4k = (u8(K // 2), u8(nb, 64), u8(nb, 64), half(ns), half(ns))
     q6k = (i8(K, -32, 32), i8(K // 16, -128, 128), half(ns))
     q5 = (u8(K // 2), u8(K // 8), half(nb), half(nb))

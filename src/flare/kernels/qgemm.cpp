@@ -233,6 +233,7 @@ void flare_register_attention(pybind11::module_& m);  // attention.cpp
 void flare_register_recurrent(pybind11::module_& m);  // recurrent.cpp
 void flare_register_layers(pybind11::module_& m);  // layers.cpp
 void flare_register_sample(pybind11::module_& m);  // sample.cpp
+void flare_register_rows(pybind11::module_& m);  // rows.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Flare block-quantized (q4, q8) and row-invariant dense (f16, f32) weight GEMMs "
@@ -248,4 +249,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   flare_register_recurrent(m);  // gated_delta_rule
   flare_register_layers(m);  // DenseLayers: every decoder layer of a dense step
   flare_register_sample(m);  // argmax_rows
+  flare_register_rows(m);  // q8x8_rows, q4x8_rows: embedding lookups
 }

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from flare.models.attention import (AttentionBatch, paged_attention,
                                     static_decode_attention)
 from flare.models.config import ModelConfig
-from flare.models.native_layers import native_forward, native_layers
+from flare.models.native_layers import native_embedding, native_forward, native_layers
 from flare.models.quant.linear import Linear
 from flare.models.quant.stacked import cat_weights
 from flare.models.quant.storage import weight_getter
@@ -184,6 +184,8 @@ class LlamaModel:
             self.final_norm = self.final_norm.contiguous()
         # all layers of a step in one native call (same kernels, same order), or None
         self.native = native_layers(self)
+        # the fused path's token lookup in one native call (the same bits), or None
+        self._embed_rows = native_embedding(self.embed, self.fused_ops)
 
     @property
     def weights_nbytes(self) -> int:
@@ -336,7 +338,10 @@ class LlamaModel:
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fused path's inputs: the embedded tokens float32 [T, hidden] (a fresh
         contiguous tensor, the residual stream), positions and slots int64 [T]."""
-        x = self.embed[input_ids].to(self.dtype).contiguous()
+        if self._embed_rows is not None:
+            x = self._embed_rows(input_ids.to(torch.int64).contiguous())
+        else:
+            x = self.embed[input_ids].to(self.dtype).contiguous()
         return (x, positions.to(torch.int64).contiguous(),
                 batch.slot_mapping.to(torch.int64).contiguous())
 

@@ -21,6 +21,7 @@ $FLARE_NATIVE_LAYERS=0 turns the native call off (the Python fused path then run
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,6 +87,23 @@ def native_layers(model: Any) -> Any | None:
     return ops.DenseLayers(layers, model.final_norm, model.cos, model.sin_signed,
                            model.num_heads, model.num_kv_heads, model.eps, model.scale,
                            linear_spec(model.lm_head))
+
+
+def native_embedding(embed: Any, ops: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The token lookup of `embed` (the model's embedding table) in one native call of
+    `ops` (the fused-op kernel module, rows.cpp): a function of ids (int64 [T]) returning
+    float32 [T, K], the same bits as `embed[ids]`; None where `ops` is None or lacks the
+    call, or `embed` is not a `Q8x8Weight` / `Q4x8Weight` (then `embed[ids]` serves).
+    The ids must lie in [0, N) (the call raises RuntimeError otherwise)."""
+    if ops is None or not hasattr(ops, "q8x8_rows"):
+        return None
+    if isinstance(embed, Q8x8Weight):
+        codes, scales = embed.codes, embed.scales
+        return lambda ids: ops.q8x8_rows(codes, scales, ids)
+    if isinstance(embed, Q4x8Weight):
+        codes, scales, mins = embed.codes, embed.scales, embed.mins
+        return lambda ids: ops.q4x8_rows(codes, scales, mins, ids)
+    return None
 
 
 def native_forward(native: Any, x: torch.Tensor, positions: torch.Tensor,

@@ -4,6 +4,8 @@ groups and prefill chunks). Mixed into `flare.runtime.engine.Engine`."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk
@@ -77,7 +79,8 @@ class ForwardRunner:
         if decode_seqs:
             decode = _decode_group(
                 [s.pages for s in decode_seqs], [s.num_computed + 1 for s in decode_seqs], ps,
-                [s.state_slot for s in decode_seqs] if self.states is not None else None)
+                [s.state_slot for s in decode_seqs] if self.states is not None else None,
+                getattr(self.model, "fused_ops", None))
         slot_mapping = torch.tensor(slots, dtype=torch.int64)
         if prefill_slots:
             slot_mapping = torch.cat([slot_mapping, *prefill_slots])
@@ -96,7 +99,8 @@ class ForwardRunner:
 
 
 def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
-                  state_slots: list[int] | None = None) -> DecodeGroup:
+                  state_slots: list[int] | None = None,
+                  ops: ModuleType | None = None) -> DecodeGroup:
     """The decode group of B sequences, in a handful of tensor operations whatever B.
 
     Args:
@@ -104,6 +108,8 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
         lengths: each sequence's context length in tokens, its new token included.
         page_size: tokens per page.
         state_slots: hybrid recipes: each sequence's state slot; None for KV-only.
+        ops: Flare's kernel module, or None: with it the gather is built in one call
+            (`page_gather`, the same values).
 
     Returns:
         A `DecodeGroup` whose gather is int64 [B, M] (contiguous), M = max(lengths): the
@@ -118,11 +124,15 @@ def _decode_group(pages: list[list[int]], lengths: list[int], page_size: int,
     if b == 1 and pages[0][n - 1] - pages[0][0] == n - 1 and (
             pages[0][:n] == list(range(pages[0][0], pages[0][0] + n))):
         span = pages[0][0] * page_size
-    table = torch.tensor([p[:n] + [0] * (n - len(p[:n])) for p in pages], dtype=torch.int64)
-    offsets = torch.arange(page_size, dtype=torch.int64)
-    gather = (table[:, :, None] * page_size + offsets).view(b, n * page_size)[:, :m]
+    if ops is not None and hasattr(ops, "page_gather"):  # one native call (rows.cpp)
+        gather, lens = ops.page_gather(pages, lengths, page_size)
+    else:
+        table = torch.tensor([p[:n] + [0] * (n - len(p[:n])) for p in pages],
+                             dtype=torch.int64)
+        offsets = torch.arange(page_size, dtype=torch.int64)
+        gather = (table[:, :, None] * page_size + offsets).view(b, n * page_size)[:, :m]
+        lens = torch.tensor(lengths, dtype=torch.int64)
     mask = None
-    lens = torch.tensor(lengths, dtype=torch.int64)
     if min(lengths) != m:
         mask = (torch.arange(m)[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, M]
     slots = torch.tensor(state_slots, dtype=torch.int64) if state_slots is not None else None

@@ -239,3 +239,43 @@ def test_a_named_hybrid_session_survives_a_crash_by_name(hybrid, hybrid_cold, tm
     disk (the generation end), and the next turn restores from it."""
     saved, cached = _session_crash_restart(hybrid_engine, hybrid, hybrid_cold, tmp_path)
     assert saved == 48 and cached == 48
+
+
+def test_a_full_write_behind_queue_drops_the_newest_records(tiny, tmp_path, monkeypatch):
+    """While a write ticket runs, write-through records wait, up to `WRITE_BEHIND_BYTES`;
+    beyond it the newest are dropped, so two chains queued interleaved (head first, as
+    the engine queues them) each keep a restorable prefix, never pages whose head is
+    gone; what stays is written on the next ticket."""
+    import torch
+
+    from flare.state import tiers as tiers_module
+    from flare.state.disk_records import StateRecord
+    from flare.state.prefix_index import page_key
+
+    engine = short_engine(tiny, 8, state_dir=tmp_path, write_through=True)
+    tiers = engine.tiers
+    root = engine.prefix_index.root
+
+    def chain(seed: int, n: int) -> list[StateRecord]:
+        records, parent = [], root
+        for i in range(n):
+            tokens = tuple(range(seed + PAGE * i, seed + PAGE * (i + 1)))
+            key = page_key(parent, tokens)
+            records.append(StateRecord("page", key, parent, tokens, 0,
+                                       {"k": torch.zeros(256), "v": torch.zeros(256)}))
+            parent = key
+        return records
+
+    a, b = chain(100, 3), chain(900, 2)
+    for rec in (a[0], b[0], a[1], b[1], a[2]):  # 2 KiB each
+        tiers._outbox[rec.key] = rec
+    monkeypatch.setattr(tiers_module, "WRITE_BEHIND_BYTES", 3 * 2048)
+    dropped = tiers.stats.dropped_records
+    tiers._bound_outbox()
+    assert list(tiers._outbox) == [a[0].key, b[0].key, a[1].key]
+    assert tiers.stats.dropped_records == dropped + 2
+    tiers.submit_writes(force=True)
+    assert tiers.transfers.wait_idle(60)
+    on_disk = tiers.disk.contains_many([r.key for r in a + b])
+    assert on_disk == {a[0].key, a[1].key, b[0].key}
+    engine.stop()

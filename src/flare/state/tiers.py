@@ -142,7 +142,7 @@ class TierStore(Promotion, ChainWrites):
         With write-through, while a write ticket is still pending the records wait here
         and join the next ticket (one write ticket in flight: reads never queue behind
         many writes, and a busy disk merges work instead of filling the queue), up to
-        `WRITE_BEHIND_BYTES`, beyond which the oldest are dropped. `force`: send now
+        `WRITE_BEHIND_BYTES`, beyond which the newest are dropped. `force`: send now
         (flush, shutdown)."""
         if not self._outbox and not self._touch and not self._after:
             return
@@ -168,11 +168,16 @@ class TierStore(Promotion, ChainWrites):
             and not self.transfers.num_pending_writes
 
     def _bound_outbox(self) -> None:
-        """Drop the oldest waiting records beyond `WRITE_BEHIND_BYTES` (counted as
-        dropped), and the oldest touches (and completion callbacks) beyond `MAX_TOUCHES`."""
+        """Drop the newest waiting records beyond `WRITE_BEHIND_BYTES` (counted as
+        dropped), and the oldest touches (and completion callbacks) beyond `MAX_TOUCHES`.
+
+        Newest first: a chain's records are queued head first, and a record is of use
+        only with every record before it in its chain, so cutting from the newest end
+        leaves each chain a restorable prefix (dropping the oldest would take the heads
+        and orphan everything after them)."""
         size = sum(r.nbytes for r in self._outbox.values())
         while size > WRITE_BEHIND_BYTES and self._outbox:
-            rec = self._outbox.pop(next(iter(self._outbox)))
+            _, rec = self._outbox.popitem()  # the most recently queued
             size -= rec.nbytes
             self.stats.dropped_records += 1
         del self._touch[:-MAX_TOUCHES]

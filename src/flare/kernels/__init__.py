@@ -316,6 +316,11 @@ def qgemm() -> ModuleType:
             the rows that sample, in one call (layers.cpp, `flare.models.native_layers`)
         argmax_rows(x [N, V] float32) -> int64 [N]: torch.argmax(x, dim=-1)'s indices
             (sample.cpp; `flare.runtime.sampling.greedy_tokens`)
+        q8x8_rows(codes, scales, ids int64 [T]), q4x8_rows(codes, scales, mins, ids)
+            -> float32 [T, K]: embedding rows, the bits of the weights' `__getitem__`
+            (rows.cpp; `flare.models.native_layers.native_embedding`)
+        page_gather(pages, lengths, page_size) -> (gather int64 [B, M], lengths [B]):
+            a decode group's cache slots (rows.cpp; `flare.runtime.forward`)
 
     Raises:
         KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, the build

@@ -7,6 +7,8 @@ U+FFFD in any piece and no character emitted twice.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from flare.runtime.detokenize import IncrementalDetokenizer
@@ -83,3 +85,34 @@ def test_long_output_is_windowed(tokenizer):
     text = "".join(detok.push(i) for i in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     assert max(calls) <= 8
+
+
+def test_the_backend_decode_is_transformers_decode(tokenizer):
+    """The detokenizer calls the `tokenizers` backend directly for a stock fast tokenizer
+    (transformers' own `decode` adds only argument handling): on random id windows, special
+    tokens among them, both give the same text with and without skip_special_tokens; a
+    tokenizer whose `decode` is its own keeps it."""
+    import random
+
+    from flare.runtime.detokenize import _stock_backend
+
+    backend = _stock_backend(tokenizer)
+    assert backend is not None and IncrementalDetokenizer(tokenizer)._backend is backend
+    rng = random.Random(5)
+    specials = tokenizer.all_special_ids
+    for _ in range(300):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 6))]
+        ids += rng.sample(specials, min(len(specials), rng.randrange(0, 2)))
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert backend.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False), ids
+
+    class OwnDecode(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return "x"
+
+    mine = copy.copy(tokenizer)
+    mine.__class__ = OwnDecode
+    assert _stock_backend(mine) is None
+    assert "".join(_stream(mine, [1, 2])) == "x"  # its own decode() made the text

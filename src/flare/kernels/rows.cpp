@@ -62,74 +62,72 @@ void check_rows(const torch::Tensor& codes, const torch::Tensor& scales,
     TORCH_CHECK(id[t] >= 0 && id[t] < N, "id ", id[t], " is outside [0, ", N, ")");
 }
 
-// the interleaved position of row r's column-chunk c (codes: chunks of CHUNK bytes over
-// a row of `row_bytes`; scales: c is the block, chunks of one value)
+// the interleaved position of row r's chunk c, a row holding `chunks_per_row` chunks of
+// `chunk` elements (codes: CHUNK bytes; scales and mins: c is the block, one value)
 inline int64_t at(int64_t r, int64_t c, int64_t chunks_per_row, int64_t chunk) {
   return ((r / GROUP * chunks_per_row + c) * GROUP + r % GROUP) * chunk;
+}
+
+// out float32 [T, K] with row t = fill(ids[t], row t's K floats), rows split over torch's
+// threads (each row is written by one call, so the split never changes a value)
+template <typename Fill>
+torch::Tensor gather_rows(const torch::Tensor& ids, int64_t K, Fill fill) {
+  const int64_t T = ids.size(0);
+  auto out = torch::empty({T, K}, torch::kFloat32);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fill(id[t], od + t * K);
+  });
+  return out;
 }
 
 torch::Tensor q8x8_rows(const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& ids) {
   const int64_t K = codes.size(1);
   check_rows(codes, scales, ids, K, torch::kInt8);
-  const int64_t T = ids.size(0), nb = K / QK;
-  auto out = torch::empty({T, K}, torch::kFloat32);
+  const int64_t nb = K / QK;
   const int8_t* cd = codes.data_ptr<int8_t>();
   const at::Half* sd = scales.data_ptr<at::Half>();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  float* od = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = id[t];
-      float* o = od + t * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float s = static_cast<float>(sd[at(r, b, nb, 1)]);
-        for (int64_t c = b * (QK / CHUNK); c < (b + 1) * (QK / CHUNK); ++c) {
-          const int8_t* q = cd + at(r, c, K / CHUNK, CHUNK);
-          for (int64_t j = 0; j < CHUNK; ++j) o[c * CHUNK + j] = static_cast<float>(q[j]) * s;
-        }
+  return gather_rows(ids, K, [&](int64_t r, float* o) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = static_cast<float>(sd[at(r, b, nb, 1)]);
+      for (int64_t c = b * (QK / CHUNK); c < (b + 1) * (QK / CHUNK); ++c) {
+        const int8_t* q = cd + at(r, c, K / CHUNK, CHUNK);
+        for (int64_t j = 0; j < CHUNK; ++j) o[c * CHUNK + j] = static_cast<float>(q[j]) * s;
       }
     }
   });
-  return out;
 }
 
 torch::Tensor q4x8_rows(const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& mins, const torch::Tensor& ids) {
   const int64_t K = codes.size(1) * 2;
   check_rows(codes, scales, ids, K, torch::kUInt8);
-  const int64_t T = ids.size(0), nb = K / QK, N = codes.size(0);
+  const int64_t nb = K / QK, N = codes.size(0);
   const bool stored = mins.numel() != 0;  // Q4_1 (else Q4_0: min = -8 * scale)
   TORCH_CHECK(mins.scalar_type() == torch::kHalf && mins.is_contiguous() && mins.dim() == 2 &&
                   mins.size(0) == N && (mins.size(1) == nb || mins.size(1) == 0),
               "mins must be a contiguous float16 [N, K/32] or [N, 0] tensor");
-  auto out = torch::empty({T, K}, torch::kFloat32);
   const uint8_t* cd = codes.data_ptr<uint8_t>();
   const at::Half* sd = scales.data_ptr<at::Half>();
   const at::Half* md = stored ? mins.data_ptr<at::Half>() : nullptr;
-  const int64_t* id = ids.data_ptr<int64_t>();
-  float* od = out.data_ptr<float>();
   constexpr int64_t BLOCK_BYTES = QK / 2;
-  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = id[t];
-      float* o = od + t * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        const float s = static_cast<float>(sd[at(r, b, nb, 1)]);
-        const float m = stored ? static_cast<float>(md[at(r, b, nb, 1)]) : s * -8.0f;
-        for (int64_t c = b * (BLOCK_BYTES / CHUNK); c < (b + 1) * (BLOCK_BYTES / CHUNK); ++c) {
-          const uint8_t* q = cd + at(r, c, K / 2 / CHUNK, CHUNK);
-          const int64_t j0 = c * CHUNK - b * BLOCK_BYTES;  // byte of the block
-          for (int64_t j = 0; j < CHUNK; ++j) {
-            float* ob = o + b * QK + j0 + j;
-            ob[0] = static_cast<float>(q[j] & 0xF) * s + m;
-            ob[BLOCK_BYTES] = static_cast<float>(q[j] >> 4) * s + m;
-          }
+  return gather_rows(ids, K, [&](int64_t r, float* o) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float s = static_cast<float>(sd[at(r, b, nb, 1)]);
+      const float m = stored ? static_cast<float>(md[at(r, b, nb, 1)]) : s * -8.0f;
+      for (int64_t c = b * (BLOCK_BYTES / CHUNK); c < (b + 1) * (BLOCK_BYTES / CHUNK); ++c) {
+        const uint8_t* q = cd + at(r, c, K / 2 / CHUNK, CHUNK);
+        const int64_t j0 = c * CHUNK - b * BLOCK_BYTES;  // byte of the block
+        for (int64_t j = 0; j < CHUNK; ++j) {
+          float* ob = o + b * QK + j0 + j;
+          ob[0] = static_cast<float>(q[j] & 0xF) * s + m;
+          ob[BLOCK_BYTES] = static_cast<float>(q[j] >> 4) * s + m;
         }
       }
     }
   });
-  return out;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> page_gather(
@@ -147,8 +145,9 @@ std::tuple<torch::Tensor, torch::Tensor> page_gather(
   auto gather = torch::empty({B, M}, torch::kInt64);
   auto lens = torch::empty({B}, torch::kInt64);
   int64_t* g = gather.data_ptr<int64_t>();
+  int64_t* ld = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    lens.data_ptr<int64_t>()[b] = lengths[b];
+    ld[b] = lengths[b];
     const auto& table = pages[b];
     for (int64_t p = 0; p < M; ++p) {
       const int64_t i = p / page_size;

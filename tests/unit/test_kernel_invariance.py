@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flare.models.attention import FUSED_ATTENTION_MAX_GROUP, fused_attention_fits
+
 kernels = pytest.importorskip("flare.kernels")
 OPS = kernels.fused_ops()
 pytestmark = pytest.mark.skipif(OPS is None, reason="Flare's kernel module is unavailable")
@@ -160,3 +162,11 @@ def test_attention_refuses_bad_arguments(cache):
     with pytest.raises(RuntimeError, match="rows"):
         OPS.cached_attention(q, kc, vc, torch.arange(8).view(1, -1), torch.tensor([8]), 3,
                              SCALE)
+    # more query heads a KV head than a tile holds: refused, never written past the tile
+    wide = torch.randn(1, KVH * (FUSED_ATTENTION_MAX_GROUP + 1), D)
+    with pytest.raises(RuntimeError, match="query heads a KV head"):
+        OPS.decode_attention(wide[0], kc, vc, 0, 8, SCALE)
+    widest = torch.randn(KVH * FUSED_ATTENTION_MAX_GROUP, D)  # the most a tile holds
+    assert OPS.decode_attention(widest, kc, vc, 0, 8, SCALE).shape == widest.shape
+    assert fused_attention_fits(KVH * FUSED_ATTENTION_MAX_GROUP, KVH)
+    assert not fused_attention_fits(KVH * (FUSED_ATTENTION_MAX_GROUP + 1), KVH)

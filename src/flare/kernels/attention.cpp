@@ -308,6 +308,9 @@ void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
               "k_cache and v_cache must be [S, KVH, D] with q's D");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "H (", H, ") must be a multiple of KVH (", KVH,
               ") > 0");
+  // a tile holds one position's G query heads at least (Tile's arrays)
+  TORCH_CHECK(H / KVH <= MAX_TILE_ROWS, "at most ", MAX_TILE_ROWS,
+              " query heads a KV head, got ", H / KVH);
 }
 
 // The work of one call: sequences b in [0, B) with R rows each; a work item is (b, KV

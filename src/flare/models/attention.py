@@ -81,6 +81,17 @@ class AttentionBatch:
     prefills: tuple[PrefillChunk, ...]
 
 
+# The most query heads a KV head the fused attention kernel takes (attention.cpp's
+# MAX_TILE_ROWS: a tile holds one position's query heads at least).
+FUSED_ATTENTION_MAX_GROUP = 48
+
+
+def fused_attention_fits(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the fused attention kernels take a model with these head counts (GQA group
+    H / KVH at most FUSED_ATTENTION_MAX_GROUP); where not, paged_attention runs torch's."""
+    return num_kv_heads > 0 and num_heads // num_kv_heads <= FUSED_ATTENTION_MAX_GROUP
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
     scale: float, ops: ModuleType | None = None,
@@ -108,7 +119,8 @@ def paged_attention(
         a multiple of KVH (GQA).
     """
     dec = batch.decode
-    fused = ops is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    fused = (ops is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+             and fused_attention_fits(q.shape[-2], k_cache.shape[1]))
     # a single group covers every token of the step: its output is the result, returned
     # as it comes (possibly strided), without a copy into `out`
     out = torch.empty_like(q) if len(batch.prefills) + (dec is not None) > 1 else None

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flare.models.attention import AttentionBatch
+from flare.models.attention import AttentionBatch, fused_attention_fits
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
 from flare.models.quant.linear import Linear
@@ -68,11 +68,13 @@ def linear_spec(lin: Linear) -> LinearSpec | None:
 def native_layers(model: Any) -> Any | None:
     """A `DenseLayers` over the layers of `model` (a `flare.models.llama.LlamaModel`; not
     imported here: llama imports this module), or None where the native call cannot serve:
-    no fused ops (`model.fused_ops` is None), a layer's linear of an uncovered kind (see
+    no fused ops (`model.fused_ops` is None), more query heads a KV head than the fused
+    attention takes (`fused_attention_fits`), a layer's linear of an uncovered kind (see
     the module docstring), or $FLARE_NATIVE_LAYERS=0. Its `has_lm_head` says whether it
     also holds `model.lm_head` (a covered kind) for `native_forward(..., rows=)`."""
     ops = model.fused_ops
     if (ops is None or not model.layers or not hasattr(ops, "DenseLayers")
+            or not fused_attention_fits(model.num_heads, model.num_kv_heads)
             or os.environ.get("FLARE_NATIVE_LAYERS", "1").strip() == "0"):
         return None
     layers = []

@@ -57,6 +57,10 @@ using flare_simd::hsum8x8;
 
 constexpr int64_t KEY_BLOCK = 64;  // keys per block: 64 x D=64 floats of K or V = 16 KB
 constexpr int MAX_TILE_ROWS = 48;  // query rows sharing each key block
+// Keys ahead whose K (scores) or V (PV) row is prefetched into L1. The pool hands pages out
+// in any order, and the hardware prefetcher stops at each 4 KB page (five key rows of one
+// head at KVH = 3, D = 64), so without it a long context streamed K/V at about 8 GB/s.
+constexpr int64_t PREFETCH_KEYS = 16;
 // (query row, key) pairs worth a thread handoff: one sequence's decode (9 query heads)
 // goes parallel from 57 keys on. At 4,096 it stayed on one thread up to 455 keys, and a
 // Zen 5 EPYC (2 threads) decoded 7% slower at 300 keys (4.26 against 3.95 ms a step);
@@ -71,6 +75,12 @@ struct Tile {
   float* o[MAX_TILE_ROWS];
   int64_t n[MAX_TILE_ROWS];
 };
+
+// one key's row of one head (D floats from `row`) on its way into L1; no value changes
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(row + D - 1), _MM_HINT_T0);  // an unaligned tail
+}
 
 // scores of rows a, b (b may equal a) for the 4 keys at slots ks[0..3] into pa, pb
 inline void scores_2x4(const float* qa, const float* qb, const float* const* ks, int64_t D,
@@ -159,15 +169,18 @@ inline float softmax_numerators(float* p, int64_t n) {
 }
 
 // o_r[d0 .. d0 + L NV) += sum_{j in [j0, j1)} p_r[j] v_j, for NR rows, in order of j,
-// in vectors of L = VF::lanes floats
+// in vectors of L = VF::lanes floats; with `prefetch` (the first chunk of D), V's rows
+// PREFETCH_KEYS keys ahead (up to key `jlast`) are fetched whole for the chunks after it
 template <typename VF, int NR, int NV, typename Slot>
 inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const float* v,
-                    int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+                    int64_t stride, Slot slot, int64_t j0, int64_t j1, bool prefetch,
+                    int64_t D, int64_t jlast) {
   constexpr int L = VF::lanes;
   typename VF::F acc[NR][NV];
   for (int r = 0; r < NR; ++r)
     for (int c = 0; c < NV; ++c) acc[r][c] = VF::load(o[r] + d0 + L * c);
   for (int64_t j = j0; j < j1; ++j) {
+    if (prefetch) prefetch_row(v + slot(std::min(j + PREFETCH_KEYS, jlast)) * stride, D);
     const float* vr = v + slot(j) * stride + d0;
     typename VF::F vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = VF::load(vr + L * c);
@@ -189,29 +202,32 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const fl
 // vector width ever changes a result.
 template <int NR, typename Slot>
 inline void pv_rows(const float* const* p, float* const* o, int64_t D, const float* v,
-                    int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+                    int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   using VF = flare_simd::FWide;
   constexpr int L = VF::lanes;
   constexpr int NV = NR == 1 || VF::registers == 32 ? 4 : 2;
   static_assert(NR * NV + NV + 1 <= VF::registers, "the PV tile must fit the registers");
   int64_t d0 = 0;
-  for (; d0 + L * NV <= D; d0 += L * NV) pv_tile<VF, NR, NV>(p, o, d0, v, stride, slot, j0, j1);
-  for (; d0 + L <= D; d0 += L) pv_tile<VF, NR, 1>(p, o, d0, v, stride, slot, j0, j1);
-  for (; d0 + 8 <= D; d0 += 8) pv_tile<flare_simd::F8, NR, 1>(p, o, d0, v, stride, slot, j0, j1);
+  for (; d0 + L * NV <= D; d0 += L * NV)
+    pv_tile<VF, NR, NV>(p, o, d0, v, stride, slot, j0, j1, d0 == 0, D, jlast);
+  for (; d0 + L <= D; d0 += L)
+    pv_tile<VF, NR, 1>(p, o, d0, v, stride, slot, j0, j1, d0 == 0, D, jlast);
+  for (; d0 + 8 <= D; d0 += 8)
+    pv_tile<flare_simd::F8, NR, 1>(p, o, d0, v, stride, slot, j0, j1, d0 == 0, D, jlast);
 }
 
 // Rows r .. r + NR of a tile over keys [j0, j1) of their own: together over the keys all
 // of them see, then each alone over the rest
 template <int NR, typename Slot>
 inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const float* v,
-                     int64_t stride, Slot slot, int64_t j0, int64_t j1) {
+                     int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   int64_t common = j1;
   for (int i = r; i < r + NR; ++i) common = std::min(common, t.n[i]);
-  if (common > j0) pv_rows<NR>(pr + r, t.o + r, D, v, stride, slot, j0, common);
+  if (common > j0) pv_rows<NR>(pr + r, t.o + r, D, v, stride, slot, j0, common, jlast);
   if (NR == 1) return;
   for (int i = r; i < r + NR; ++i) {
     const int64_t a = std::max(j0, common), b = std::min(j1, t.n[i]);
-    if (b > a) pv_rows<1>(pr + i, t.o + i, D, v, stride, slot, a, b);
+    if (b > a) pv_rows<1>(pr + i, t.o + i, D, v, stride, slot, a, b, jlast);
   }
 }
 
@@ -233,6 +249,8 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
 #ifdef __AVX512F__
     if (vec) {  // zmm: 4 rows x 8 keys a pass (the last rows repeated to fill it)
       for (int64_t j = j0; j < j1; j += 8) {
+        for (int c = 0; c < 8; ++c)
+          prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
         const float* ks[8];
         for (int c = 0; c < 8; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
         for (int r = 0; r < t.rows; r += 4) {
@@ -250,6 +268,8 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
     }
 #endif
     for (int64_t j = j0; j < j1; j += 4) {
+      for (int c = 0; c < 4; ++c)
+        prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
       const float* ks[4];
       for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
       if (vec) {
@@ -273,9 +293,9 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
     for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
       const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
       int r = 0;
-      for (; r + 6 <= t.rows; r += 6) pv_group<6>(pr, t, r, D, v, stride, slot, j0, j1);
-      for (; r + 3 <= t.rows; r += 3) pv_group<3>(pr, t, r, D, v, stride, slot, j0, j1);
-      for (; r < t.rows; ++r) pv_group<1>(pr, t, r, D, v, stride, slot, j0, j1);
+      for (; r + 6 <= t.rows; r += 6) pv_group<6>(pr, t, r, D, v, stride, slot, j0, j1, nmax - 1);
+      for (; r + 3 <= t.rows; r += 3) pv_group<3>(pr, t, r, D, v, stride, slot, j0, j1, nmax - 1);
+      for (; r < t.rows; ++r) pv_group<1>(pr, t, r, D, v, stride, slot, j0, j1, nmax - 1);
     }
   } else {
     for (int r = 0; r < t.rows; ++r)

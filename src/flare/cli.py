@@ -46,6 +46,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="most tokens per engine step (default 512)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="serving dtype (default float32)")
+    g.add_argument("--kv-dtype", choices=["float32", "float16"], default=None,
+                   help="KV cache element type (default: the serving dtype). float16 halves "
+                        "the KV pool and the bytes each decode step reads from it (a long "
+                        "context decodes faster); attention widens each element exactly, so "
+                        "reuse still equals recompute bit for bit, but logits differ from a "
+                        "float32 cache's by the cache's rounding")
     g.add_argument("--host-tier-mib", type=non_negative_int, default=None,
                    help="host memory for conversation states pushed out of the KV pool, MiB "
                         "(default 1024; 0 = none)")
@@ -223,6 +229,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict:
     kw = {"max_seq_len": args.max_seq_len, "max_num_seqs": args.max_num_seqs,
           "page_size": args.page_size, "num_pages": args.num_pages,
           "max_batch_tokens": args.max_batch_tokens}
+    if args.kv_dtype is not None:
+        kw["kv_dtype"] = args.kv_dtype
     if args.host_tier_mib is not None:
         kw["host_tier_bytes"] = args.host_tier_mib << 20
     if args.disk_tier_mib is not None:
@@ -252,7 +260,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 # serve's options that shape the package --embedded prepares; a given PKG has its own
 PREPARE_ONLY = ("max_seq_len", "max_num_seqs", "page_size", "num_pages", "max_batch_tokens",
-                "dtype", "host_tier_mib", "disk_tier_mib", "weights")
+                "dtype", "kv_dtype", "host_tier_mib", "disk_tier_mib", "weights")
 
 
 def _refuse_prepare_flags(args: argparse.Namespace) -> None:

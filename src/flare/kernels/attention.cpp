@@ -1,6 +1,11 @@
-// Attention over a paged KV cache (float32, CPU, AVX2/FMA): ONE routine for every query
-// row, decode token or prefill row alike, so a row's output never depends on how its
-// prompt was chunked, where a reuse started, or which rows ran beside it.
+// Attention over a paged KV cache (CPU, AVX2/FMA): ONE routine for every query row, decode
+// token or prefill row alike, so a row's output never depends on how its prompt was
+// chunked, where a reuse started, or which rows ran beside it.
+//
+// The cache holds float32 or float16 (the plan's kv_dtype; q and o are float32). A float16
+// K or V element is widened to float32 as it is loaded (F16C, exact) and everything after
+// runs in float32, so a float16 cache gives bit for bit what the float32 routine gives on
+// the same cache widened: half the bytes a decode step streams, the same arithmetic.
 //
 //   cached_attention(q [T, H, D], k_cache [S, KVH, D], v_cache [S, KVH, D],
 //                    gather int64 [B, M], lengths int64 [B], rows_per_seq R, scale)
@@ -76,21 +81,29 @@ struct Tile {
   int64_t n[MAX_TILE_ROWS];
 };
 
-// one key's row of one head (D floats from `row`) on its way into L1; no value changes
-inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+// One key's row of one head (D elements from `row`) on its way into L1; no value changes.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t D) {
+  constexpr int64_t per_line = 64 / sizeof(T);
+  for (int64_t i = 0; i < D; i += per_line)
+    _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(row + D - 1), _MM_HINT_T0);  // an unaligned tail
 }
 
+// a stored K/V element as float32 (float16 widened exactly)
+inline float kv_value(float x) { return x; }
+inline float kv_value(uint16_t x) { return _cvtsh_ss(x); }
+
 // scores of rows a, b (b may equal a) for the 4 keys at slots ks[0..3] into pa, pb
-inline void scores_2x4(const float* qa, const float* qb, const float* const* ks, int64_t D,
+template <typename T>
+inline void scores_2x4(const float* qa, const float* qb, const T* const* ks, int64_t D,
                        __m256 scv, float* pa, float* pb) {
   __m256 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
     const __m256 x = _mm256_loadu_ps(qa + i), y = _mm256_loadu_ps(qb + i);
     for (int c = 0; c < 4; ++c) {
-      const __m256 kv = _mm256_loadu_ps(ks[c] + i);
+      const __m256 kv = flare_simd::F8::load(ks[c] + i);
       acc[c] = _mm256_fmadd_ps(x, kv, acc[c]);
       acc[4 + c] = _mm256_fmadd_ps(y, kv, acc[4 + c]);
     }
@@ -106,7 +119,8 @@ inline void scores_2x4(const float* qa, const float* qb, const float* const* ks,
 // zmm (lanes 0-7 row a[2m], 8-15 row a[2m + 1]) against each key's 8 floats in both
 // halves, and each row's 8 chains reduced by the same hsum8x8 tree: the same scores bit
 // for bit, for 4 rows x 8 keys per pass.
-inline void scores_4x8(const float* const* qa, const float* const* ks, int64_t D,
+template <typename T>
+inline void scores_4x8(const float* const* qa, const T* const* ks, int64_t D,
                        __m256 scv, float* const* pa) {
   __m512 acc[2][8];
   for (int m = 0; m < 2; ++m)
@@ -117,7 +131,7 @@ inline void scores_4x8(const float* const* qa, const float* const* ks, int64_t D
       x[m] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa[2 * m] + i)),
                                 _mm256_loadu_ps(qa[2 * m + 1] + i), 1);
     for (int c = 0; c < 8; ++c) {
-      const __m512 kv = _mm512_broadcast_f32x8(_mm256_loadu_ps(ks[c] + i));
+      const __m512 kv = _mm512_broadcast_f32x8(flare_simd::F8::load(ks[c] + i));
       acc[0][c] = _mm512_fmadd_ps(x[0], kv, acc[0][c]);
       acc[1][c] = _mm512_fmadd_ps(x[1], kv, acc[1][c]);
     }
@@ -135,9 +149,10 @@ inline void scores_4x8(const float* const* qa, const float* const* ks, int64_t D
 #endif
 
 // the scalar form for D not a multiple of 8 (one order, used by every path alike)
-inline float score_scalar(const float* q, const float* k, int64_t D, float sc) {
+template <typename T>
+inline float score_scalar(const float* q, const T* k, int64_t D, float sc) {
   float s = 0.f;
-  for (int64_t i = 0; i < D; ++i) s = s + q[i] * k[i];
+  for (int64_t i = 0; i < D; ++i) s = s + q[i] * kv_value(k[i]);
   return s * sc;
 }
 
@@ -171,8 +186,8 @@ inline float softmax_numerators(float* p, int64_t n) {
 // o_r[d0 .. d0 + L NV) += sum_{j in [j0, j1)} p_r[j] v_j, for NR rows, in order of j,
 // in vectors of L = VF::lanes floats; with `prefetch` (the first chunk of D), V's rows
 // PREFETCH_KEYS keys ahead (up to key `jlast`) are fetched whole for the chunks after it
-template <typename VF, int NR, int NV, typename Slot>
-inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const float* v,
+template <typename VF, int NR, int NV, typename T, typename Slot>
+inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const T* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1, bool prefetch,
                     int64_t D, int64_t jlast) {
   constexpr int L = VF::lanes;
@@ -181,7 +196,7 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const fl
     for (int c = 0; c < NV; ++c) acc[r][c] = VF::load(o[r] + d0 + L * c);
   for (int64_t j = j0; j < j1; ++j) {
     if (prefetch) prefetch_row(v + slot(std::min(j + PREFETCH_KEYS, jlast)) * stride, D);
-    const float* vr = v + slot(j) * stride + d0;
+    const T* vr = v + slot(j) * stride + d0;
     typename VF::F vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = VF::load(vr + L * c);
     for (int r = 0; r < NR; ++r) {
@@ -200,8 +215,8 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const fl
 // (3 x 4 ymm did: the whole PV pass ran at half speed). Several rows share each V load;
 // each output lane is its own chain over j, so neither the rows sharing a load nor the
 // vector width ever changes a result.
-template <int NR, typename Slot>
-inline void pv_rows(const float* const* p, float* const* o, int64_t D, const float* v,
+template <int NR, typename T, typename Slot>
+inline void pv_rows(const float* const* p, float* const* o, int64_t D, const T* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   using VF = flare_simd::FWide;
   constexpr int L = VF::lanes;
@@ -218,8 +233,8 @@ inline void pv_rows(const float* const* p, float* const* o, int64_t D, const flo
 
 // Rows r .. r + NR of a tile over keys [j0, j1) of their own: together over the keys all
 // of them see, then each alone over the rest
-template <int NR, typename Slot>
-inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const float* v,
+template <int NR, typename T, typename Slot>
+inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const T* v,
                      int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   int64_t common = j1;
   for (int i = r; i < r + NR; ++i) common = std::min(common, t.n[i]);
@@ -232,9 +247,10 @@ inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const fl
 }
 
 // Attention of a tile's rows over one KV head whose key j is row slot(j) of k / v (row
-// stride `stride` floats). Scratch `p`: rows x pstride floats, pstride >= max n + 8.
-template <typename Slot>
-void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, Slot slot,
+// stride `stride` elements of T, float or float16 bits). Scratch `p`: rows x pstride
+// floats, pstride >= max n + 8.
+template <typename T, typename Slot>
+void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slot,
                  int64_t D, float sc, float* p, int64_t pstride) {
   int64_t nmax = 0;
   for (int r = 0; r < t.rows; ++r) nmax = std::max(nmax, t.n[r]);
@@ -251,7 +267,7 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
       for (int64_t j = j0; j < j1; j += 8) {
         for (int c = 0; c < 8; ++c)
           prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
-        const float* ks[8];
+        const T* ks[8];
         for (int c = 0; c < 8; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
         for (int r = 0; r < t.rows; r += 4) {
           const float* qa[4];
@@ -270,7 +286,7 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
     for (int64_t j = j0; j < j1; j += 4) {
       for (int c = 0; c < 4; ++c)
         prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
-      const float* ks[4];
+      const T* ks[4];
       for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
       if (vec) {
         for (int r = 0; r < t.rows; r += 2) {
@@ -300,8 +316,8 @@ void attend_tile(const Tile& t, const float* k, const float* v, int64_t stride, 
   } else {
     for (int r = 0; r < t.rows; ++r)
       for (int64_t j = 0; j < t.n[r]; ++j) {
-        const float* vr = v + slot(j) * stride;
-        for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] + pr[r][j] * vr[d];
+        const T* vr = v + slot(j) * stride;
+        for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] + pr[r][j] * kv_value(vr[d]);
       }
   }
   for (int r = 0; r < t.rows; ++r) {
@@ -321,8 +337,14 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
 
 void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache) {
-  check_f32(k_cache, "k_cache", 3);
-  check_f32(v_cache, "v_cache", 3);
+  for (const auto* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->device().is_cpu() && c->dim() == 3 && c->is_contiguous() &&
+                    (c->scalar_type() == torch::kFloat32 ||
+                     c->scalar_type() == torch::kFloat16),
+                c == &k_cache ? "k_cache" : "v_cache",
+                " must be a contiguous float32 or float16 CPU tensor with 3 dims");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must have one dtype");
   const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [S, KVH, D] with q's D");
@@ -334,11 +356,12 @@ void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
 }
 
 // The work of one call: sequences b in [0, B) with R rows each; a work item is (b, KV
-// head, a run of positions whose G query heads fill one tile).
-template <typename SlotOf>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         int64_t B, int64_t R, const int64_t* lengths, SlotOf slot_of, float sc,
-         torch::Tensor& o) {
+// head, a run of positions whose G query heads fill one tile). T: the cache's element
+// (float, or uint16_t for float16 bits).
+template <typename T, typename SlotOf>
+void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, int64_t B, int64_t R, const int64_t* lengths,
+               SlotOf slot_of, float sc, torch::Tensor& o) {
   const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
   const int64_t G = H / KVH;
   const int64_t pos_per_tile = std::max<int64_t>(1, MAX_TILE_ROWS / G);
@@ -348,8 +371,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   int64_t nmax = 0;
   for (int64_t b = 0; b < B; ++b) nmax = std::max(nmax, lengths[b]);
   const float* qd = q.data_ptr<float>();
-  const float* kd = k_cache.data_ptr<float>();
-  const float* vd = v_cache.data_ptr<float>();
+  const T* kd = static_cast<const T*>(k_cache.data_ptr());
+  const T* vd = static_cast<const T*>(v_cache.data_ptr());
   float* od = o.data_ptr<float>();
   const int64_t pstride = nmax + 8;
   const auto work = [&](int64_t w0, int64_t w1) {
@@ -378,6 +401,17 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   // decode over a short context: less work than a thread handoff costs
   if (W <= 1 || B * R * H * nmax < PARALLEL_MIN_WORK) work(0, W);
   else at::parallel_for(0, W, 1, work);
+}
+
+// run_cache for the cache's dtype (check_caches has admitted it)
+template <typename SlotOf>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         int64_t B, int64_t R, const int64_t* lengths, SlotOf slot_of, float sc,
+         torch::Tensor& o) {
+  if (k_cache.scalar_type() == torch::kFloat16)
+    run_cache<uint16_t>(q, k_cache, v_cache, B, R, lengths, slot_of, sc, o);
+  else
+    run_cache<float>(q, k_cache, v_cache, B, R, lengths, slot_of, sc, o);
 }
 
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,

@@ -16,7 +16,9 @@
 //       optional per-head RMSNorm of q and k heads (Qwen3), then RoPE of q and k as
 //       x * cos + swap_halves(x) * sin_signed (each product rounded, then the sum, as the
 //       torch path does: bit for bit without qk_norm), k written to k_cache[slots[t]],
-//       the raw v to v_cache[slots[t]]; q returned
+//       the raw v to v_cache[slots[t]]; q returned. The caches are float32 or float16
+//       (both one dtype): a float16 cache stores each value rounded to nearest even,
+//       as torch's .to(torch.float16) does
 //   silu_mul(gu [T, 2F]) -> y [T, F] = silu(gu[:, :F]) * gu[:, F:]
 //
 // Attention over the KV cache lives in attention.cpp (one routine for decode and prefill).
@@ -168,6 +170,15 @@ inline void rope_head(const float* x, const float* c, const float* s, int64_t D,
   }
 }
 
+// y[0..n) = x rounded to float16 bits, to nearest even (F16C; torch's .to(float16))
+inline void store_half(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
                          const torch::Tensor& sin, const torch::Tensor& positions,
                          torch::Tensor& k_cache, torch::Tensor& v_cache,
@@ -176,8 +187,17 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
   check_f32(qkv, "qkv", 2);
   check_f32(cos, "cos", 2);
   check_f32(sin, "sin_signed", 2);
-  check_f32(k_cache, "k_cache", 3);
-  check_f32(v_cache, "v_cache", 3);
+  const bool half_cache = k_cache.scalar_type() == torch::kFloat16;
+  if (!half_cache) {
+    check_f32(k_cache, "k_cache", 3);
+    check_f32(v_cache, "v_cache", 3);
+  } else {
+    TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                    k_cache.dim() == 3 && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && v_cache.scalar_type() == torch::kFloat16,
+                "k_cache and v_cache must be contiguous CPU tensors of one dtype, float32 "
+                "or float16, with 3 dims");
+  }
   TORCH_CHECK(H > 0 && KVH > 0, "H and KVH must be positive");
   const int64_t T = qkv.size(0), D = cos.size(1), P = cos.size(0), S = k_cache.size(0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * KVH) * D,
@@ -210,17 +230,20 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
   const float* cd = cos.data_ptr<float>();
   const float* snd = sin.data_ptr<float>();
   float* qd = q.data_ptr<float>();
-  float* kd = k_cache.data_ptr<float>();
-  float* vd = v_cache.data_ptr<float>();
+  char* kd = static_cast<char*>(k_cache.data_ptr());  // float or float16 elements
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  const int64_t esize = half_cache ? 2 : 4;
   const float e = static_cast<float>(eps);
   const int64_t row = (H + 2 * KVH) * D;
   for_rows(T, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tmp(nw ? D : 0);
+    std::vector<float> tmp(nw ? D : 0), krow(half_cache ? KVH * D : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const float* x = xd + t * row;
       const float* c = cd + pd[t] * D;
       const float* s = snd + pd[t] * D;
-      float* kr = kd + sd[t] * KVH * D;
+      char* kslot = kd + sd[t] * KVH * D * esize;
+      // k heads go straight into a float32 cache, through krow into a float16 one
+      float* kr = half_cache ? krow.data() : reinterpret_cast<float*>(kslot);
       for (int64_t h = 0; h < H + KVH; ++h) {
         const float* src = x + h * D;
         if (nw) {
@@ -229,7 +252,14 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
         }
         rope_head(src, c, s, D, h < H ? qd + (t * H + h) * D : kr + (h - H) * D);
       }
-      std::memcpy(vd + sd[t] * KVH * D, x + (H + KVH) * D, KVH * D * sizeof(float));
+      const float* v = x + (H + KVH) * D;
+      char* vslot = vd + sd[t] * KVH * D * esize;
+      if (half_cache) {
+        store_half(kr, reinterpret_cast<uint16_t*>(kslot), KVH * D);
+        store_half(v, reinterpret_cast<uint16_t*>(vslot), KVH * D);
+      } else {
+        std::memcpy(vslot, v, KVH * D * sizeof(float));
+      }
     }
   });
   return q;

@@ -84,6 +84,10 @@ struct F8 {
   static constexpr int lanes = 8;
   static constexpr int registers = 16;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  // 8 float16 values (IEEE binary16 bits) widened to float32: exact (F16C)
+  static F load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -95,6 +99,9 @@ struct F16 {
   static constexpr int lanes = 16;
   static constexpr int registers = 32;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const uint16_t* p) {  // 16 float16 values widened to float32: exact
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }

@@ -81,6 +81,9 @@ class AttentionBatch:
     prefills: tuple[PrefillChunk, ...]
 
 
+# The cache dtypes the fused attention and rope_store kernels take (with float32 q).
+FUSED_CACHE_DTYPES = (torch.float32, torch.float16)
+
 # The most query heads a KV head the fused attention kernel takes (attention.cpp's
 # MAX_TILE_ROWS: a tile holds one position's query heads at least).
 FUSED_ATTENTION_MAX_GROUP = 48
@@ -100,11 +103,13 @@ def paged_attention(
 
     Args:
         q: [T, H, D] queries (RoPE applied).
-        k_cache, v_cache: [S, KVH, D] one layer's cache, already holding this step's K/V.
+        k_cache, v_cache: [S, KVH, D] one layer's cache, already holding this step's K/V,
+            in q's dtype or another (a float16 pool under float32 serving: the plan's
+            kv_dtype); the torch path widens the rows it reads to q's dtype.
         batch: token layout and gather indices.
         scale: softmax scale (1/sqrt(D) for these recipes).
         ops: Flare's fused-op kernel module (`flare.kernels.fused_ops`), or None. When
-            given, with float32 q and cache, every row runs the module's one fixed-order
+            given, with float32 q and a float32 or float16 cache, every row runs the module's one fixed-order
             attention routine (kernels/attention.cpp), reading K/V rows in place: the
             decode group as `decode_attention` (one unmasked sequence in consecutive
             slots, `DecodeGroup.span`) or `decode_attention_gather` (any group with
@@ -119,7 +124,8 @@ def paged_attention(
         a multiple of KVH (GQA).
     """
     dec = batch.decode
-    fused = (ops is not None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    fused = (ops is not None and q.dtype == torch.float32
+             and k_cache.dtype in FUSED_CACHE_DTYPES
              and fused_attention_fits(q.shape[-2], k_cache.shape[1]))
     # a single group covers every token of the step: its output is the result, returned
     # as it comes (possibly strided), without a copy into `out`
@@ -143,6 +149,7 @@ def paged_attention(
                 flat = dec.gather.reshape(-1)
                 k = k_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
                 v = v_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a float16 pool: widened (exact)
             # one query per sequence: fold each KV head's group of query heads into the
             # query axis ([B, KVH, G, D]), so GQA needs neither repeated K/V nor a GQA kernel
             qd = q[:b].reshape(b, kvh, -1, d)  # [B, KVH, G, D]
@@ -164,6 +171,7 @@ def paged_attention(
             continue
         k = k_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)  # [1,KVH,ctx,D]
         v = v_cache.index_select(0, chunk.gather).transpose(0, 1).unsqueeze(0)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qp = q[s:s + t].transpose(0, 1).unsqueeze(0)  # [1, H, t, D]
         o = F.scaled_dot_product_attention(
             qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
@@ -208,6 +216,7 @@ def static_decode_attention(
     flat = gather.reshape(-1)
     k = k_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)  # [B, KVH, M, D]
     v = v_cache.index_select(0, flat).view(b, m, kvh, d).transpose(1, 2)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a pool in another dtype (kv_dtype): widened
     qd = q.reshape(b, kvh, -1, d)  # [B, KVH, G, D]: GQA folded into the query axis
     if kind == "sdpa":
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)

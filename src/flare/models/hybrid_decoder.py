@@ -210,8 +210,8 @@ class HybridDecoder:
         q = apply_rope(self.norm(q, m.q_norm, self.eps), cos, sin)
         k = apply_rope(self.norm(k.view(t, kvh, d), m.k_norm, self.eps), cos, sin)
         k_cache, v_cache = kv.k_layers[m.kv_index], kv.v_layers[m.kv_index]
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v.view(t, kvh, d))
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))  # the pool's dtype
+        v_cache.index_copy_(0, batch.slot_mapping, v.view(t, kvh, d).to(v_cache.dtype))
         o = paged_attention(q, k_cache, v_cache, batch, d ** -0.5, self.ops)
         o = o.reshape(t, h * d)
         if gate is not None:

@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from flare.models.attention import (AttentionBatch, paged_attention,
+from flare.models.attention import (FUSED_CACHE_DTYPES, AttentionBatch, paged_attention,
                                     static_decode_attention)
 from flare.models.config import ModelConfig
 from flare.models.native_layers import native_embedding, native_forward, native_layers
@@ -320,8 +320,9 @@ class LlamaModel:
             # RoPE on q and k at once; the flip of the two halves is roll(x, D/2)
             qk = qk * cos + qk.view(t, h + kvh, 2, d // 2).flip(2).view(t, h + kvh, d) * sin
             k = qk[:, h:]  # [T, KVH, D]
-            k_cache[i].index_copy_(0, slots, k)
-            v_cache[i].index_copy_(0, slots, qkv[:, nqk:].view(t, kvh, d))
+            # into the pool's dtype (a float16 kv_dtype rounds here, as rope_store does)
+            k_cache[i].index_copy_(0, slots, k.to(k_cache[i].dtype))
+            v_cache[i].index_copy_(0, slots, qkv[:, nqk:].view(t, kvh, d).to(v_cache[i].dtype))
             o = attend(i, qk[:, :h])  # [T, H, D]
             x = x + layer.o_proj(o.reshape(t, h * d))
             gate, up = layer.gate_up(self._norm(x, layer.post_norm)).chunk(2, dim=-1)
@@ -329,9 +330,10 @@ class LlamaModel:
         return self._norm(x, self.final_norm)
 
     def _fused_serves(self, kv: KVCache) -> bool:
-        """Whether `forward` on `kv` runs the fused ops (float32 cache, some layers)."""
-        return self.fused_ops is not None and kv.k.dtype == torch.float32 and bool(
-            self.layers)
+        """Whether `forward` on `kv` runs the fused ops (float32 serving, a float32 or
+        float16 cache, some layers)."""
+        return (self.fused_ops is not None and self.dtype == torch.float32
+                and kv.k.dtype in FUSED_CACHE_DTYPES and bool(self.layers))
 
     def _fused_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: AttentionBatch

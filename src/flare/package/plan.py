@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# KV pool element types a plan may ask for apart from the serving dtype. float16 halves
+# the bytes a decode step streams from the cache; the fused CPU attention widens each
+# element exactly as it loads it (kernels/attention.cpp), so the cache's rounding is the
+# only difference from a float32 pool, and reuse still equals recompute bit for bit.
+KV_DTYPES = ("float32", "float16")
+
+
 @dataclass(frozen=True)
 class CapacityPlan:
     """How much a served package can hold at once.
@@ -47,7 +54,8 @@ class CapacityPlan:
         page_size: tokens per KV page.
         num_pages: KV pages in the pool (shared by all sequences).
         max_batch_tokens: most tokens computed in one engine step (chunked prefill budget).
-        dtype: serving dtype name of weights and KV pool ("float32", ...).
+        dtype: serving dtype name of weights and activations ("float32", ...), and of
+            the KV pool unless `kv_dtype` says otherwise.
         state_slots: live conv/recurrent state slots, one per running sequence of a hybrid
             recipe (= max_num_seqs); 0 for KV-only recipes.
         checkpoint_slots: state slots more, holding checkpoints (copies of a sequence's
@@ -71,6 +79,7 @@ class CapacityPlan:
     checkpoint_interval: int = 0
     host_tier_bytes: int = 0
     disk_tier_bytes: int = 0
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_seq_len", "max_num_seqs", "page_size", "num_pages", "max_batch_tokens"):
@@ -84,6 +93,14 @@ class CapacityPlan:
             raise ValueError(f"capacity plan: state_slots {self.state_slots} < max_num_seqs "
                              f"{self.max_num_seqs} (every running sequence needs a slot)")
         dtype_from_name(self.dtype)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"capacity plan: kv_dtype {self.kv_dtype!r} unknown; known: "
+                             f"{list(KV_DTYPES)} (or None: the serving dtype)")
+
+    @property
+    def kv_pool_dtype(self) -> str:
+        """The KV pool's element type: `kv_dtype`, else the serving dtype."""
+        return self.kv_dtype or self.dtype
 
     @property
     def num_state_slots(self) -> int:
@@ -96,7 +113,10 @@ class CapacityPlan:
         return -(-self.max_seq_len // self.page_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["kv_dtype"] is None:  # a pool in the serving dtype: the manifest as before
+            del d["kv_dtype"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CapacityPlan":
@@ -161,12 +181,14 @@ def make_plan(
     checkpoint_interval: int | None = None,
     host_tier_bytes: int = DEFAULT_HOST_TIER_BYTES,
     disk_tier_bytes: int = DEFAULT_DISK_TIER_BYTES,
+    kv_dtype: str | None = None,
 ) -> CapacityPlan:
     """Size a plan. Defaults: max_seq_len = the model's context (at most 8,192 tokens);
     num_pages = enough for `max_num_seqs` sequences of `max_seq_len` tokens. For a hybrid
     recipe: one live state slot per sequence, `checkpoint_slots` = 2 x max_num_seqs and
     `checkpoint_interval` = 256 tokens; for a KV-only recipe all three are 0. Host and disk
-    tiers: 1 GiB and 8 GiB.
+    tiers: 1 GiB and 8 GiB. kv_dtype: the KV pool's element type (`KV_DTYPES`), None for
+    the serving dtype; naming the serving dtype itself is the same as None.
 
     Raises:
         ValueError: a value out of range, naming it; a non-zero `checkpoint_slots` or
@@ -209,13 +231,18 @@ def make_plan(
         checkpoint_interval=checkpoint_interval,
         host_tier_bytes=host_tier_bytes,
         disk_tier_bytes=disk_tier_bytes,
+        # the serving dtype named again is no change: the same plan, the same package
+        kv_dtype=None if kv_dtype == dtype else kv_dtype,
     )
 
 
 def layout_for(config: ModelConfig, plan: CapacityPlan) -> StateLayout:
     """The state layout of the recipe that runs `config`, at the plan's page size and
-    dtype (KV-only or hybrid)."""
-    return model_state_layout(config, plan.page_size, dtype_from_name(plan.dtype))
+    dtype (KV-only or hybrid), its KV pool in `plan.kv_pool_dtype`."""
+    layout = model_state_layout(config, plan.page_size, dtype_from_name(plan.dtype))
+    if plan.kv_dtype is None:
+        return layout
+    return replace(layout, dtype=dtype_from_name(plan.kv_dtype))
 
 
 def memory_report(
@@ -232,7 +259,7 @@ def memory_report(
     """
     layout = layout_for(config, plan)
     kv = layout.bytes_per_page * plan.num_pages
-    elem = torch.empty((), dtype=layout.dtype).element_size()
+    elem = dtype_from_name(plan.dtype).itemsize  # activations are in the serving dtype
     act = plan.max_batch_tokens * (4 * config.hidden_size + 3 * config.intermediate_size) * elem
     logits = plan.max_num_seqs * config.vocab_size * 4
     workspace = act + logits + graph_bytes

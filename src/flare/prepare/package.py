@@ -346,8 +346,9 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     """A checked package for `model_path` under `cache_dir`, reused when valid.
 
     The package lives at `cache_dir/<model name>-<dtype>`, with `-<weights>` appended
-    when a weight format is asked for (so packages of two formats do not replace each
-    other). It is reused when
+    when a weight format is asked for and `-kv-<kv_dtype>` when a KV pool dtype other than
+    the serving dtype is (so packages of two formats do not replace each other). It is
+    reused when
     `reuse_problem` finds nothing wrong (contract, payload hashes, same source files,
     dtype, plan); otherwise it is rebuilt with `prepare_package` (the reason is shown
     when `progress`).
@@ -365,7 +366,9 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     model_path = Path(model_path)
     checkpoint_format(model_path)
     name = model_name or default_model_name(model_path)
-    out = Path(cache_dir) / (f"{name}-{dtype}" + (f"-{weights}" if weights else ""))
+    kv = plan_kwargs.get("kv_dtype")
+    out = Path(cache_dir) / (f"{name}-{dtype}" + (f"-{weights}" if weights else "")
+                             + (f"-kv-{kv}" if kv and kv != dtype else ""))
     if (out / MANIFEST_NAME).is_file():
         problem = reuse_problem(out, model_path, dtype=dtype, device=device, weights=weights,
                                 **plan_kwargs)

@@ -77,19 +77,20 @@ def package_info(package: Path) -> dict[str, Any]:
     head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else None)
     kv_layout = None
     layout = getattr(m, "state_layout", None) or {}
-    if layout.get("num_kv_layers") and m.plan.get("dtype") in _ELEM_BYTES:
+    kv_dtype = m.plan.get("kv_dtype") or m.plan.get("dtype")  # the pool's own, if set
+    if layout.get("num_kv_layers") and kv_dtype in _ELEM_BYTES:
         # the manifest's own state layout: hybrids keep KV in their attention layers only
         kv_layout = {"kv_only": m.recipe in KV_ONLY_RECIPES and not layout.get("layer_states"),
                      "num_kv_layers": layout["num_kv_layers"],
                      "num_kv_heads": layout["num_kv_heads"],
                      "head_dim": layout["head_dim"],
-                     "elem_bytes": _ELEM_BYTES[m.plan["dtype"]]}
-    elif cfg.get("num_hidden_layers") and head_dim and m.plan.get("dtype") in _ELEM_BYTES:
+                     "elem_bytes": _ELEM_BYTES[kv_dtype]}
+    elif cfg.get("num_hidden_layers") and head_dim and kv_dtype in _ELEM_BYTES:
         kv_layout = {"kv_only": m.recipe in KV_ONLY_RECIPES,
                      "num_kv_layers": cfg["num_hidden_layers"],
                      "num_kv_heads": cfg.get("num_key_value_heads") or heads,
                      "head_dim": head_dim,
-                     "elem_bytes": _ELEM_BYTES[m.plan["dtype"]]}
+                     "elem_bytes": _ELEM_BYTES[kv_dtype]}
     return {
         "identity": {"package_id": m.package_id,
                      "manifest_sha256": sha256_file(Path(package) / MANIFEST_NAME),

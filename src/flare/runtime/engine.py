@@ -180,7 +180,7 @@ class Engine(StepLoop, ForwardRunner, StateWiring, EngineStats):
         if prefix_cache:
             # the namespace binds cached pages to this package and its page layout
             self.prefix_index = PrefixIndex(self.pool, plan.page_size,
-                                            f"{namespace}/{plan.page_size}/{plan.dtype}")
+                                            f"{namespace}/{plan.page_size}/{plan.kv_pool_dtype}")
             if self.states is not None:
                 self.checkpoints = CheckpointIndex(self.states, ckpt_slots, plan.page_size)
             reuse = DeviceReuse(self.prefix_index, self.kv, cost_policy or CostPolicy(),

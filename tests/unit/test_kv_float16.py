@@ -245,3 +245,51 @@ def test_hybrid_float16_pool_logits_equal_across_chunkings_and_reuse(hybrid16):
     assert make(64, 4).kv.k.dtype == torch.float16
     check_chunkings(make, PROMPT, NEW_TOKENS, chunk_sizes=(7, 64))
     check_reuse_positions(make, PROMPT, NEW_TOKENS, HYBRID_PAGE)
+
+
+def _tier_engine(ckpt, kv_dtype: str | None, **kw) -> Engine:
+    plan = make_plan(ckpt.config, max_seq_len=512, max_num_seqs=4, max_batch_tokens=128,
+                     page_size=PAGE, kv_dtype=kv_dtype)
+    return Engine(ckpt.config, plan, ckpt.tensors, ckpt.tokenizer, namespace="pkg-kv", **kw)
+
+
+def _greedy_run(engine: Engine, ids: list[int], rid: str):
+    from flare.runtime.request import GenerationRequest, SamplingParams
+    outs = engine.run_until_idle([GenerationRequest(
+        rid, ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))])[rid]
+    return sum((o.token_ids for o in outs), []), outs[-1]
+
+
+@needs_ops
+def test_float16_states_restore_from_host_and_disk_as_recomputed(embedded_checkpoint,
+                                                                 tmp_path):
+    """Turn 1's float16 pages offloaded to the host tier, and to disk then read back by a
+    new engine (a restart): turn 2 answers as an engine without reuse does. A float32
+    package's engine over the same folder restores none of them (another layout)."""
+    ck = embedded_checkpoint
+    cold = _tier_engine(ck, "float16", prefix_cache=False)
+    turn1 = words(41, seed=1)
+    host = _tier_engine(ck, "float16", host_tier_bytes=64 << 20)
+    answer, _ = _greedy_run(host, turn1, "t1")
+    turn2 = turn1 + answer + words(9, seed=101)
+    want = _greedy_run(cold, turn2, "c")[0]
+    assert host.offload() > 0 and host.prefix_index.num_pages == 0
+    got, last = _greedy_run(host, turn2, "t2")
+    assert got == want and last.reuse["tier"] == "host" and last.num_cached_tokens == 48
+    host.check_integrity()
+    host.stop()
+
+    disk = _tier_engine(ck, "float16", host_tier_bytes=0, state_dir=tmp_path,
+                        write_through=False)
+    _greedy_run(disk, turn1, "t1")
+    disk.offload()
+    disk.tiers.flush()
+    disk.stop()
+    other = _tier_engine(ck, None, host_tier_bytes=0, state_dir=tmp_path)
+    assert _greedy_run(other, turn2, "f32")[1].num_cached_tokens == 0
+    other.stop()
+    restarted = _tier_engine(ck, "float16", host_tier_bytes=0, state_dir=tmp_path)
+    got, last = _greedy_run(restarted, turn2, "t2")
+    assert got == want and last.num_cached_tokens == 48 and last.reuse["tier"] == "disk"
+    restarted.check_integrity()
+    restarted.stop()

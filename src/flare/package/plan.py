@@ -191,7 +191,8 @@ def make_plan(
     the serving dtype; naming the serving dtype itself is the same as None.
 
     Raises:
-        ValueError: a value out of range, naming it; a non-zero `checkpoint_slots` or
+        ValueError: a value out of range, naming it; `num_pages` too few for one sequence
+            of `max_seq_len` tokens (the engine could not serve it); a non-zero `checkpoint_slots` or
             `checkpoint_interval` for a KV-only recipe, naming the value and the recipe.
     """
     if max_seq_len is None:
@@ -203,6 +204,11 @@ def make_plan(
         )
     if num_pages is None:
         num_pages = max_num_seqs * -(-max_seq_len // page_size)
+    if num_pages < -(-max_seq_len // page_size):  # the engine refuses it: say so at prepare
+        raise ValueError(
+            f"num_pages {num_pages} cannot hold one sequence of max_seq_len {max_seq_len} "
+            f"({-(-max_seq_len // page_size)} pages of {page_size} tokens): raise num_pages "
+            f"or lower max_seq_len")
     hybrid = model_state_layout(config, page_size, dtype_from_name(dtype)).is_hybrid
     if hybrid:
         state_slots = max_num_seqs

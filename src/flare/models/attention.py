@@ -109,8 +109,9 @@ def paged_attention(
         batch: token layout and gather indices.
         scale: softmax scale (1/sqrt(D) for these recipes).
         ops: Flare's fused-op kernel module (`flare.kernels.fused_ops`), or None. When
-            given, with float32 q and a float32 or float16 cache, every row runs the module's one fixed-order
-            attention routine (kernels/attention.cpp), reading K/V rows in place: the
+            given, with float32 q and a float32 or float16 cache, every row runs the
+            module's one fixed-order attention routine (kernels/attention.cpp), reading
+            K/V rows in place: the
             decode group as `decode_attention` (one unmasked sequence in consecutive
             slots, `DecodeGroup.span`) or `decode_attention_gather` (any group with
             `lengths`), each prefill chunk as `cached_attention`. A row's output is then a

@@ -192,7 +192,8 @@ def make_plan(
 
     Raises:
         ValueError: a value out of range, naming it; `num_pages` too few for one sequence
-            of `max_seq_len` tokens (the engine could not serve it); a non-zero `checkpoint_slots` or
+            of `max_seq_len` tokens (the engine could not serve it); a non-zero
+            `checkpoint_slots` or
             `checkpoint_interval` for a KV-only recipe, naming the value and the recipe.
     """
     if max_seq_len is None:

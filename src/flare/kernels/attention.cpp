@@ -48,6 +48,7 @@
 
 #include "simd.h"
 #include "ops.h"
+#include "checks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -55,6 +56,9 @@
 #include <vector>
 
 namespace {
+
+using flare_checks::check_f32;
+using flare_checks::check_kv_caches;
 
 using flare_simd::exp8;
 using flare_simd::hsum;
@@ -329,22 +333,9 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
   }
 }
 
-void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == dim &&
-                  t.is_contiguous(),
-              name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
-}
-
 void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache) {
-  for (const auto* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->device().is_cpu() && c->dim() == 3 && c->is_contiguous() &&
-                    (c->scalar_type() == torch::kFloat32 ||
-                     c->scalar_type() == torch::kFloat16),
-                c == &k_cache ? "k_cache" : "v_cache",
-                " must be a contiguous float32 or float16 CPU tensor with 3 dims");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
-              "k_cache and v_cache must have one dtype");
+  check_kv_caches(k_cache, v_cache);
   const int64_t H = q.size(-2), D = q.size(-1), KVH = k_cache.size(1);
   TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
               "k_cache and v_cache must be [S, KVH, D] with q's D");

@@ -35,6 +35,7 @@
 
 #include "simd.h"
 #include "ops.h"
+#include "checks.h"
 
 #include <cmath>
 #include <cstring>
@@ -42,6 +43,9 @@
 #include <vector>
 
 namespace {
+
+using flare_checks::check_f32;
+using flare_checks::check_kv_caches;
 
 constexpr int64_t ROW_GRAIN = 16;  // rows per task: fewer rows run on the calling thread
 
@@ -87,12 +91,6 @@ void for_rows(int64_t T, int64_t grain, F f) {
     return;
   }
   at::parallel_for(0, T, grain, f);
-}
-
-void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == dim &&
-                  t.is_contiguous(),
-              name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
 }
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
@@ -187,17 +185,8 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
   check_f32(qkv, "qkv", 2);
   check_f32(cos, "cos", 2);
   check_f32(sin, "sin_signed", 2);
+  check_kv_caches(k_cache, v_cache);
   const bool half_cache = k_cache.scalar_type() == torch::kFloat16;
-  if (!half_cache) {
-    check_f32(k_cache, "k_cache", 3);
-    check_f32(v_cache, "v_cache", 3);
-  } else {
-    TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
-                    k_cache.dim() == 3 && k_cache.is_contiguous() &&
-                    v_cache.is_contiguous() && v_cache.scalar_type() == torch::kFloat16,
-                "k_cache and v_cache must be contiguous CPU tensors of one dtype, float32 "
-                "or float16, with 3 dims");
-  }
   TORCH_CHECK(H > 0 && KVH > 0, "H and KVH must be positive");
   const int64_t T = qkv.size(0), D = cos.size(1), P = cos.size(0), S = k_cache.size(0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * KVH) * D,

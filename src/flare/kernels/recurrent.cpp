@@ -25,17 +25,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "checks.h"
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 namespace {
 
-void check_f32(const torch::Tensor& t, int64_t dim, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.dim() == dim &&
-                  t.is_contiguous(),
-              name, " must be a contiguous float32 CPU tensor of ", dim, " dims");
-}
+using flare_checks::check_f32;
 
 // One (sequence, head) pair: tokens [t0, t1) of head h, state s [Dk, Dv] updated in place.
 void run_head(const float* q, const float* k, const float* v, const float* g,
@@ -101,12 +99,12 @@ torch::Tensor gated_delta_rule(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, const torch::Tensor& g,
                                const torch::Tensor& beta, torch::Tensor state,
                                const torch::Tensor& starts, const torch::Tensor& slots) {
-  check_f32(q, 3, "q");
-  check_f32(k, 3, "k");
-  check_f32(v, 3, "v");
-  check_f32(g, 2, "g");
-  check_f32(beta, 2, "beta");
-  check_f32(state, 4, "state");
+  check_f32(q, "q", 3);
+  check_f32(k, "k", 3);
+  check_f32(v, "v", 3);
+  check_f32(g, "g", 2);
+  check_f32(beta, "beta", 2);
+  check_f32(state, "state", 4);
   const int64_t T = q.size(0), Hq = q.size(1), Dk = q.size(2);
   const int64_t H = v.size(1), Dv = v.size(2), S = state.size(0);
   TORCH_CHECK(k.sizes() == q.sizes(), "k must have q's shape [T, Hq, Dk]");

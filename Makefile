@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# KV pool: 1,024 pages of 16 tokens shared by all sequences (about 750 MB in fp32);
+# KV pool: 1,024 pages of 16 tokens shared by all sequences (about 375 MB in float16);
 # one sequence may still use the model's whole 8,192-token context.
 PAGES ?= 1024
 # weight format (empty: the model's default, q4x8 for the embedded Q4_1 GGUF; see README)

@@ -47,7 +47,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="serving dtype (default float32)")
     g.add_argument("--kv-dtype", choices=["float32", "float16"], default=None,
-                   help="KV cache element type (default: the serving dtype). float16 halves "
+                   help="KV cache element type (default: float16 for the int8 weight formats "
+                        "q4x8/q8x8/kx8 on CPU, else the serving dtype). float16 halves "
                         "the KV pool and the bytes each decode step reads from it (a long "
                         "context decodes faster); attention widens each element exactly, so "
                         "reuse still equals recompute bit for bit, but logits differ from a "

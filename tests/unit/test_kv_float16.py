@@ -22,9 +22,11 @@ from exactness import check_batch_neighbours, check_chunkings, check_reuse_posit
 from hybrid_models import PAGE as HYBRID_PAGE, tiny_hybrid_fixture
 from flare.cli import build_parser
 from flare.models.attention import AttentionBatch, DecodeGroup, PrefillChunk, paged_attention
-from flare.models.quant.formats import default_weight_format
+from flare.models.quant.formats import default_kv_dtype, default_weight_format
 from flare.models.quant.storage import convert_tensors
+from flare.package.contract import read_manifest
 from flare.package.plan import CapacityPlan, layout_for, make_plan, memory_report
+from flare.prepare.package import reuse_problem
 from flare.runtime.engine import Engine
 
 kernels = pytest.importorskip("flare.kernels")
@@ -143,6 +145,30 @@ def test_plan_kv_dtype_sizes_the_pool_and_keeps_old_manifests(embedded_checkpoin
     args = build_parser().parse_args(["prepare", "embedded", "--out", "x",
                                       "--kv-dtype", "float16"])
     assert args.kv_dtype == "float16"
+
+
+@pytest.mark.parametrize("fmt, dtype, device, want", [
+    ("q4x8", "float32", "cpu", "float16"), ("q8x8", "float32", "cpu", "float16"),
+    ("kx8", "float32", "cpu", "float16"), ("fp16", "float32", "cpu", None),
+    ("full", "float32", "cpu", None), ("full", "bfloat16", "cpu", None),
+    ("q4x8", "float32", "cuda", None)])
+def test_default_kv_dtype_is_float16_for_the_int8_formats_alone(fmt, dtype, device, want):
+    assert default_kv_dtype(fmt, dtype=dtype, device=device) == want
+
+
+def test_a_default_package_of_the_embedded_model_has_a_float16_pool(smollm2_package,
+                                                                    embedded_gguf):
+    m = read_manifest(smollm2_package)
+    assert m.tuning["weights"] == "q4x8"
+    assert m.plan["kv_dtype"] == "float16" and m.state_layout["dtype"] == "float16"
+    plan = CapacityPlan.from_dict(m.plan)
+    assert m.memory["kv_pool_bytes"] == plan.num_pages * plan.page_size * 2 * 30 * 3 * 64 * 2
+    # the same settings reuse it (no rebuild); asking for a float32 pool does not
+    same = {"max_seq_len": 2048, "max_num_seqs": 8, "page_size": 16}
+    assert reuse_problem(smollm2_package, embedded_gguf, **same) is None
+    assert reuse_problem(smollm2_package, embedded_gguf, kv_dtype="float16", **same) is None
+    assert "plan differs" in reuse_problem(smollm2_package, embedded_gguf,
+                                           kv_dtype="float32", **same)
 
 
 def _maker(ckpt, kv_dtype: str | None = "float16"):

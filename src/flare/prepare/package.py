@@ -47,6 +47,7 @@ from flare.models.config import ModelConfig
 from flare.models.quant.formats import (
     WEIGHT_FORMATS,
     check_weight_format,
+    default_kv_dtype,
     default_weight_format,
     fp16_overflow,
 )
@@ -169,6 +170,8 @@ def write_package(
     check_weight_format(fmt, dtype=serving_dtype, device=device, recipe=recipe)
     if weights is None and fmt == "fp16" and fp16_overflow(ckpt.tensors) is not None:
         fmt = "full"  # the default never turns a weight infinite; asked for, it raises
+    if plan_kwargs.get("kv_dtype") is None:  # the format's default pool (float16 for int8)
+        plan_kwargs["kv_dtype"] = default_kv_dtype(fmt, dtype=serving_dtype, device=device)
     stored = convert_tensors(ckpt.tensors, fmt, ckpt.blocks)  # a GGUF's own blocks
     weights_bytes = ckpt.weights_bytes
     if recipe == "llama":  # what the model holds: fused parts, the kernels' packed layout
@@ -262,7 +265,8 @@ def prepare_package(
             defaults (max_seq_len, max_num_seqs, page_size, num_pages, max_batch_tokens;
             hybrid recipes' checkpoint_slots and checkpoint_interval, where a non-zero
             value for a KV-only recipe raises ValueError; host_tier_bytes and
-            disk_tier_bytes, 0 = no such tier).
+            disk_tier_bytes, 0 = no such tier; kv_dtype, None = `default_kv_dtype` for
+            the format: float16 for q4x8 / q8x8 / kx8, else the serving dtype).
 
     Returns:
         The written manifest.
@@ -334,6 +338,9 @@ def reuse_problem(package: Path, model_path: Path, *, dtype: str = "float32",
         check_state_layout(manifest)
     except PackageError as exc:
         return str(exc)
+    if plan_kwargs.get("kv_dtype") is None:
+        plan_kwargs = plan_kwargs | {"kv_dtype": default_kv_dtype(want_fmt, dtype=dtype,
+                                                                  device=device)}
     plan = make_plan(ModelConfig.from_hf(manifest.config), dtype=dtype, **plan_kwargs)
     if plan.to_dict() != manifest.plan:
         return f"plan differs: package {manifest.plan}, wanted {plan.to_dict()}"
@@ -346,8 +353,8 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     """A checked package for `model_path` under `cache_dir`, reused when valid.
 
     The package lives at `cache_dir/<model name>-<dtype>`, with `-<weights>` appended
-    when a weight format is asked for and `-kv-<kv_dtype>` when a KV pool dtype other than
-    the serving dtype is (so packages of two formats do not replace each other). It is
+    when a weight format is asked for and `-kv-<kv_dtype>` when a KV pool dtype is (so
+    packages of two formats, or two pools, do not replace each other). It is
     reused when
     `reuse_problem` finds nothing wrong (contract, payload hashes, same source files,
     dtype, plan); otherwise it is rebuilt with `prepare_package` (the reason is shown
@@ -368,7 +375,7 @@ def ensure_package(model_path: Path, cache_dir: Path, *, dtype: str = "float32",
     name = model_name or default_model_name(model_path)
     kv = plan_kwargs.get("kv_dtype")
     out = Path(cache_dir) / (f"{name}-{dtype}" + (f"-{weights}" if weights else "")
-                             + (f"-kv-{kv}" if kv and kv != dtype else ""))
+                             + (f"-kv-{kv}" if kv else ""))
     if (out / MANIFEST_NAME).is_file():
         problem = reuse_problem(out, model_path, dtype=dtype, device=device, weights=weights,
                                 **plan_kwargs)

@@ -8,7 +8,7 @@ one built on each `.so` (the module's own file, e.g. an older build still in
 mean step over the rounds. A figure, not pass/fail.
 
     PYTHONPATH=src .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--batch 1]
-        [--steps 64] [--prompt 32] [--rounds 6] [--threads 2]
+        [--steps 64] [--prompt 32] [--rounds 6] [--threads 2] [--kv-dtype float16]
 
 The module each engine's `DenseLayers` comes from is the one loaded for it: the linear,
 attention and norm kernels of its native call are that build's. Kernel calls from Python
@@ -32,6 +32,7 @@ from flare.kernels.probe import import_extension
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
 from flare.models.quant import dense
+from flare.models.quant.formats import default_kv_dtype
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
@@ -45,6 +46,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-dtype", choices=["float32", "float16"],
+                    default=default_kv_dtype("q4x8", dtype="float32", device="cpu"),
+                    help="KV pool dtype (default: q4x8's, as a prepared package has it)")
     args = ap.parse_args()
     if len({p.name.split(".")[0] for p in args.builds}) < 2:
         raise SystemExit("the two builds have one module name: Python would load it once")
@@ -52,7 +56,8 @@ def main() -> None:
     ckpt = load_checkpoint(embedded_model_path())
     tensors = convert_tensors(ckpt.tensors, "q4x8", ckpt.blocks)
     plan = make_plan(ckpt.config, max_seq_len=4096, max_num_seqs=args.batch,
-                     max_batch_tokens=max(512, args.batch * args.prompt))
+                     max_batch_tokens=max(512, args.batch * args.prompt),
+                     kv_dtype=args.kv_dtype)
     runs = []
     for path in args.builds:
         kernels._MODULE = import_extension(path)  # what fused_ops() and the model see from here

@@ -22,6 +22,7 @@ import torch
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
+from flare.models.quant.formats import default_kv_dtype
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
@@ -62,10 +63,12 @@ def flare_engine(ckpt, weights: str, *, max_seq_len: int = 4096, max_num_seqs: i
     full). `stored`: the tensors already in that format (`convert_tensors`' output; the
     engine only reads them, so two engines may share them), else converted here as
     `flare prepare` does, from a GGUF's own blocks where the format holds them.
-    `num_pages`: the KV pool's pages (default: `max_num_seqs` full-length sequences,
-    1.5 GiB for the embedded model)."""
+    `num_pages`: the KV pool's pages (default: `max_num_seqs` full-length sequences).
+    The pool's dtype is the format's default, as `flare prepare` gives it (float16 for the
+    int8 formats: `default_kv_dtype`)."""
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
-                     max_batch_tokens=max_batch_tokens, num_pages=num_pages)
+                     max_batch_tokens=max_batch_tokens, num_pages=num_pages,
+                     kv_dtype=default_kv_dtype(weights, dtype="float32", device="cpu"))
     if stored is None:
         stored = convert_tensors(ckpt.tensors, weights, ckpt.blocks)
     return Engine(ckpt.config, plan, stored, ckpt.tokenizer, prefix_cache=prefix_cache)

@@ -40,7 +40,7 @@ from peers import SHORT_PROMPT, interleaved_samples, llama_cpp_measures
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
-from flare.models.quant.formats import default_weight_format
+from flare.models.quant.formats import default_kv_dtype, default_weight_format
 from flare.models.quant.sizes import serving_weight_bytes
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
@@ -79,7 +79,8 @@ def main() -> None:
         stored = convert_tensors(ckpt.tensors, fmt, ckpt.blocks)
         held = serving_weight_bytes(stored, fmt, ckpt.config.tie_word_embeddings)
         types = Counter(b.kind for b in ckpt.blocks.values())
-        plan = make_plan(ckpt.config, max_seq_len=4096, max_num_seqs=8, max_batch_tokens=512)
+        plan = make_plan(ckpt.config, max_seq_len=4096, max_num_seqs=8, max_batch_tokens=512,
+                         kv_dtype=default_kv_dtype(fmt, dtype="float32", device="cpu"))
         engine = Engine(ckpt.config, plan, stored, ckpt.tokenizer, prefix_cache=False)
 
         def ids_of(n: int) -> list[int]:

@@ -25,6 +25,7 @@ import torch
 
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
+from flare.models.quant.formats import default_kv_dtype
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
@@ -91,7 +92,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(embedded_model_path())
     plan = make_plan(ckpt.config, max_seq_len=1024, max_num_seqs=args.batch,
-                     max_batch_tokens=max(512, args.batch * args.prompt))
+                     max_batch_tokens=max(512, args.batch * args.prompt),
+                     kv_dtype=default_kv_dtype("q4x8", dtype="float32", device="cpu"))
     engine = Engine(ckpt.config, plan, convert_tensors(ckpt.tensors, "q4x8", ckpt.blocks),
                     ckpt.tokenizer, prefix_cache=False)
     if engine.model.native is None:

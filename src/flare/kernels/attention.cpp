@@ -117,6 +117,33 @@ inline void scores_2x4(const float* qa, const float* qb, const T* const* ks, int
   _mm_storeu_ps(pb, _mm256_extractf128_ps(s, 1));
 }
 
+// scores of rows a, b, c for the 4 keys at slots ks[0..3] into pa, pb, pc: scores_2x4's
+// chains and tree for a third row in the same pass (12 accumulators, 3 q vectors and one
+// K vector fill the 16 ymm registers), so a GQA group of 3 heads (SmolLM2's) computes 3
+// rows a pass rather than 4 with one repeated
+template <typename T>
+inline void scores_3x4(const float* qa, const float* qb, const float* qc, const T* const* ks,
+                       int64_t D, __m256 scv, float* pa, float* pb, float* pc) {
+  __m256 acc[16];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 x = _mm256_loadu_ps(qa + i), y = _mm256_loadu_ps(qb + i),
+                 z = _mm256_loadu_ps(qc + i);
+    for (int c = 0; c < 4; ++c) {
+      const __m256 kv = flare_simd::F8::load(ks[c] + i);
+      acc[c] = _mm256_fmadd_ps(x, kv, acc[c]);
+      acc[4 + c] = _mm256_fmadd_ps(y, kv, acc[4 + c]);
+      acc[8 + c] = _mm256_fmadd_ps(z, kv, acc[8 + c]);
+    }
+  }
+  for (int c = 0; c < 4; ++c) acc[12 + c] = acc[8 + c];  // hsum8x8 reduces 8 at a time
+  const __m256 s = _mm256_mul_ps(hsum8x8(acc), scv);
+  const __m256 u = _mm256_mul_ps(hsum8x8(acc + 8), scv);
+  _mm_storeu_ps(pa, _mm256_castps256_ps128(s));
+  _mm_storeu_ps(pb, _mm256_extractf128_ps(s, 1));
+  _mm_storeu_ps(pc, _mm256_castps256_ps128(u));
+}
+
 #ifdef __AVX512F__
 // scores of rows a[0..3] for the 8 keys at slots ks[0..7] into pa[0..3] (rows may repeat:
 // the same values are then written twice). The 8-lane chains of scores_2x4, two rows to a
@@ -292,8 +319,12 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
         prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
       const T* ks[4];
       for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
-      if (vec) {
-        for (int r = 0; r < t.rows; r += 2) {
+      if (vec) {  // rows in threes, then twos (a last single row repeated in both halves)
+        int r = 0;
+        for (; r + 3 <= t.rows; r += 3)
+          scores_3x4(t.q[r], t.q[r + 1], t.q[r + 2], ks, D, scv, pr[r] + j, pr[r + 1] + j,
+                     pr[r + 2] + j);
+        for (; r < t.rows; r += 2) {
           const int rb = r + 1 < t.rows ? r + 1 : r;
           scores_2x4(t.q[r], t.q[rb], ks, D, scv, pr[r] + j, pr[rb] + j);
         }

@@ -22,7 +22,7 @@ from hf_reference import greedy_logit_diffs, hf_model, round_linear_inputs_to_in
 from flare.kernels import cpu_problem
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.gguf import open_gguf
-from flare.models.quant.formats import default_weight_format
+from flare.models.quant.formats import default_kv_dtype, default_weight_format
 from flare.models.quant.storage import convert_tensors, weight_getter
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
@@ -180,7 +180,9 @@ def check_prepare_serves_the_files_blocks(path: Path, fmt: str, out: Path) -> No
     for k, v in stored.items():
         assert torch.equal(pkg.tensors[k], v), k
     ids = words(20, seed=4)
-    plan = make_plan(ckpt.config, max_seq_len=128, max_num_seqs=8)
+    # the pool dtype prepare gives the format (float16 for the int8 formats)
+    plan = make_plan(ckpt.config, max_seq_len=128, max_num_seqs=8,
+                     kv_dtype=default_kv_dtype(fmt, dtype="float32", device="cpu"))
     assert run(Engine.from_package(pkg), ids, greedy(8))[0] == run(
         Engine(ckpt.config, plan, stored, ckpt.tokenizer), ids, greedy(8))[0]
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from flare.kernels import cpu_problem
 from flare.loading.checkpoint import load_checkpoint
 from flare.models.quant.blocks import Q4Weight, Q8Weight, quantize_q4, quantize_q8
-from flare.models.quant.formats import check_weight_format
+from flare.models.quant.formats import check_weight_format, default_kv_dtype
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.linear import Linear, Q_KERNEL_MAX_ROWS
 from flare.models.quant.sizes import serving_weight_bytes
@@ -358,7 +358,9 @@ def test_prepare_q4_writes_a_package_serve_loads(tiny_qwen3_dir, tmp_path, fmt):
     assert loaded.tensors["model.embed_tokens.weight" + q8[0]].dtype == torch.int8
     ids = ckpt.tokenizer.encode("The capital of France is", add_special_tokens=False)
     served = _greedy(Engine.from_package(loaded), ids)
-    plan = make_plan(ckpt.config, max_seq_len=128, max_num_seqs=8)
+    # the pool dtype prepare gives the format (float16 for q4x8, the float32 one for q4)
+    plan = make_plan(ckpt.config, max_seq_len=128, max_num_seqs=8,
+                     kv_dtype=default_kv_dtype(fmt, dtype="float32", device="cpu"))
     assert served == _greedy(Engine(ckpt.config, plan, stored, ckpt.tokenizer), ids)
 
 

@@ -9,6 +9,10 @@ mean step over the rounds. A figure, not pass/fail.
 
     PYTHONPATH=src .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--batch 1]
         [--steps 64] [--prompt 32] [--rounds 6] [--threads 2] [--kv-dtype float16]
+        [--prefill 2048]
+
+With `--prefill N` it times prefill instead: one N-token prompt (fresh tokens each time,
+no prefix cache) from its request to its first token, in the plan's chunks.
 
 The module each engine's `DenseLayers` comes from is the one loaded for it: the linear,
 attention and norm kernels of its native call are that build's. Kernel calls from Python
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +41,7 @@ from flare.models.quant.formats import default_kv_dtype
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
+from flare.runtime.request import GenerationRequest, SamplingParams
 
 
 def main() -> None:
@@ -46,6 +52,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="time an N-token prompt's prefill instead of decode steps")
     ap.add_argument("--kv-dtype", choices=["float32", "float16"],
                     default=default_kv_dtype("q4x8", dtype="float32", device="cpu"),
                     help="KV pool dtype (default: q4x8's, as a prepared package has it)")
@@ -55,7 +63,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ckpt = load_checkpoint(embedded_model_path())
     tensors = convert_tensors(ckpt.tensors, "q4x8", ckpt.blocks)
-    plan = make_plan(ckpt.config, max_seq_len=4096, max_num_seqs=args.batch,
+    plan = make_plan(ckpt.config, max_seq_len=max(4096, args.prefill + 64),
+                     max_num_seqs=args.batch,
                      max_batch_tokens=max(512, args.batch * args.prompt),
                      kv_dtype=args.kv_dtype)
     runs = []
@@ -67,6 +76,18 @@ def main() -> None:
             raise SystemExit("no native call for this model (is FLARE_NATIVE_LAYERS=0 set?)")
         timed = engine.model.native = TimedNative(engine.model.native)
         runs.append((path, engine, timed, []))
+    if args.prefill:
+        for r in range(args.rounds + 1):  # round 0 warms up
+            for _, engine, _timed, means in runs[::-1] if r % 2 else runs:
+                ms = prefill_ms(engine, args.prefill, seed=r)
+                if r:
+                    means.append(ms)
+        print(f"{args.threads} threads, prefill of {args.prefill} tokens "
+              f"({plan.max_batch_tokens} a chunk), {args.rounds} rounds alternated")
+        for path, _, _, means in runs:
+            print(f"{path.name}: {min(means):.1f} ms min ({1e3 * args.prefill / min(means):.0f} "
+                  f"tok/s), {statistics.median(means):.1f} median")
+        return
     prompt = list(range(100, 100 + args.prompt))
     for _, engine, timed, _means in runs:  # warm-up
         decode_steps(engine, timed, prompt, 8, args.batch)
@@ -79,6 +100,17 @@ def main() -> None:
     for path, _, _, means in runs:
         print(f"{path.name}: step {min(means):.3f} ms min, {statistics.median(means):.3f} "
               "median")
+
+
+def prefill_ms(engine: Engine, tokens: int, seed: int) -> float:
+    """Milliseconds from adding a `tokens`-token prompt (random ids from `seed`) to its
+    first token, the request then finished."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, 40000, (tokens,), generator=g).tolist()
+    t = time.perf_counter()
+    engine.run_until_idle([GenerationRequest(f"p{seed}-{time.perf_counter_ns()}", prompt,
+                                             SamplingParams(max_tokens=1, temperature=0))])
+    return 1e3 * (time.perf_counter() - t)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def test_candidates_follow_the_cpu_flags():
     assert variants.candidates(avx512) == ["avx512vnni", "avx2"]
     assert variants.candidates(avx512 - {"avx512vl"}) == ["avx2"]
     assert variants.candidates(avx512 | {"avx_vnni", "amx_tile", "amx_int8"}) == \
-        ["avx512vnni", "avxvnni", "avx2"]  # no AMX variant: it traps in these VMs
+        ["avx512amx", "avx512vnni", "avxvnni", "avx2"]
+    assert variants.candidates(avx512 | {"amx_tile"}) == ["avx512vnni", "avx2"]
     assert variants.candidates(None) == ["avx2"]  # no /proc/cpuinfo: nothing is assumed
 
 
@@ -110,7 +111,7 @@ def test_the_probe_rejects_a_variant_whose_results_differ(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("name", ["avxvnni", "avx512vnni"])
+@pytest.mark.parametrize("name", ["avxvnni", "avx512vnni", "avx512amx"])
 def test_each_variant_this_cpu_offers_gives_the_baselines_results(name):
     missing = variants.missing_flags(name, K.cpu_flags())
     if missing:
@@ -120,6 +121,9 @@ def test_each_variant_this_cpu_offers_gives_the_baselines_results(name):
         pytest.skip(f"the CPU lists {name}'s flags but does not execute it: {rejected}")
     assert rejected is None, rejected
     module, baseline = K.variant_module(name), K.variant_module("avx2")
-    for rows, extremes in [(r, False) for r in range(1, 18)] + [(1, True), (17, True)]:
+    # 16 rows and more: whole tiles of 16 on AMX, the rest beside them
+    cases = [(r, False) for r in [*range(1, 18), 31, 32, 35, 48]] + [(1, True), (17, True),
+                                                                     (35, True)]
+    for rows, extremes in cases:
         for kernel, call in probe.problem(rows, seed=rows, extremes=extremes):
             assert probe.same_bytes(call(module), call(baseline)), (kernel, rows, extremes)

@@ -10,8 +10,8 @@ SiLU * up, one-token decode attention; see that file and `flare.models.llama`).
 `fused_ops()` returns the same module for those ops, or None where it cannot be had or
 $FLARE_FUSED_OPS=0 asks for the torch path.
 
-The module comes in instruction-set variants (`flare.kernels.variants`: avx512vnni,
-avxvnni, and the avx2 baseline), each the whole extension built from the same sources
+The module comes in instruction-set variants (`flare.kernels.variants`: avx512amx,
+avx512vnni, avxvnni, and the avx2 baseline), each the whole extension built from the same sources
 with its own -m flags. `isa_variant()` picks one per process: $FLARE_KERNEL_ISA where set,
 else the best variant whose CPU flags /proc/cpuinfo lists and that passes its probe (built,
 then run against the baseline in a child process, `flare.kernels.probe`; the verdict is
@@ -70,7 +70,7 @@ from flare.kernels.probe import (
     write_verdict,
 )
 
-ISA_ENV = "FLARE_KERNEL_ISA"  # forces a variant: avx2, avxvnni or avx512vnni
+ISA_ENV = "FLARE_KERNEL_ISA"  # forces a variant: avx2, avxvnni, avx512vnni or avx512amx
 # /proc/cpuinfo flags that decide which kernels a CPU can run (now or in per-variant
 # builds), part of the cache key: exact names, and every flag starting with a prefix.
 KEY_CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx_vnni_int8",
@@ -272,7 +272,8 @@ def choose_variant(flags: frozenset[str] | None, forced: str | None = None) -> s
 
 
 def isa_variant() -> str:
-    """The kernel variant this process runs: "avx512vnni", "avxvnni" or "avx2".
+    """The kernel variant this process runs: "avx512amx", "avx512vnni", "avxvnni" or
+    "avx2".
 
     $FLARE_KERNEL_ISA where set, else `choose_variant` on this CPU's flags (building and
     probing a candidate on first use, cached on disk); decided once per process and

@@ -141,7 +141,7 @@ def same_bytes(a: object, b: object) -> bool:
 
 
 def differences(candidate: ModuleType, reference: ModuleType,
-                rows: tuple[int, ...] = (1, 5, 17)) -> list[str]:
+                rows: tuple[int, ...] = (1, 5, 17, 35)) -> list[str]:
     """The kernels (with their row count) whose results differ between the modules, on
     `problem` at each row count and on its extremes at the last."""
     spoil = os.environ.get(FAULT_ENV) == "differ"

@@ -59,12 +59,25 @@
 //     weight block for all rows of x) is the sum, all in int32 without saturation.
 // The float32 scale math after the integer sum is the same instructions in the same
 // order on every path.
+//
+// The AMX build (-mamx-tile -mamx-int8 on top of AVX-512 VNNI, `FLARE_AMX`) computes
+// calls of 32 rows of x and more on tiles (amx.h, `amx_pair_rows`; not Q6_K): a tile
+// product gives each block's 16 x 16 exact integer sums at once (signed x by unsigned
+// q4/q5 codes; for q8 the biased x by signed codes, the bias subtracted as above), and
+// the Z16 float32 math then runs on them per block, in the same order: the same bits.
 
 #include <torch/extension.h>
 #include <immintrin.h>
 
 #include "ops.h"
 #include "qrows.h"
+
+// the avx512amx variant: prompt-sized products on AMX tiles (amx.h, `amx_pair_rows`)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define FLARE_AMX 1
+#endif
+#include "amx.h"
 
 #include <algorithm>
 #include <cmath>
@@ -367,6 +380,7 @@ inline typename V::I dot8(const typename V::I* w, const int8_t* xb) {
   }
   return V::add32(a, b);
 }
+#endif
 
 // Per dword lane, the sum of `chunks` x 4 signed codes w[0..chunks) (int32, exact): with
 // x biased by 128, sum (q + 128) c = sum q c + 128 * code_sum, so the kernels subtract
@@ -381,7 +395,6 @@ inline typename V::I code_sum(const typename V::I* w) {
   }
   return V::add32(a, b);
 }
-#endif
 
 // How far ahead of the block being computed the group kernels ask for weight bytes
 // (V::prefetch). Decode streams every weight from memory once a call, and the hardware
@@ -390,6 +403,40 @@ inline typename V::I code_sum(const typename V::I* w) {
 // faster with it and Q6_K 1.53x, q4 1.04x, 1 row 1.00-1.07x; 512 bytes ahead was slower
 // than 1,024, and 2,048 gave q8 1.15x more at 8 rows and tied elsewhere.
 constexpr int64_t PREFETCH_AHEAD = 2048;
+
+// A q4 group block's codes (128 bytes at cb; with Z16 the next group's `next` bytes on)
+// as 8 registers: w[s] holds elements 4s..4s+3 of the block for each row, a dword lane a
+// row (the layout vpdpbusd and AMX's B tile take).
+template <typename V>
+inline void q4_codes(const uint8_t* cb, int64_t next, typename V::I* w) {
+  const typename V::I low = V::bytes(0x0F);
+  for (int ch = 0; ch < 4; ++ch) {
+    const typename V::I raw = V::load(cb + 32 * ch, next);
+    w[ch] = V::and_(raw, low);
+    w[ch + 4] = V::and_(V::template srl16<4>(raw), low);
+  }
+}
+
+// A 5-bit group block's codes: q4's low nibbles plus the block's 32-byte plane of high
+// bits at hp (`next_h` bytes on to the next group's), byte 4i + b of which holds in bit s
+// the high bit of row i's element 4s + b; codes 0..31, laid out as q4_codes'.
+template <typename V>
+inline void q5_codes(const uint8_t* cb, int64_t next, const uint8_t* hp, int64_t next_h,
+                     typename V::I* w) {
+  using I = typename V::I;
+  const I bit4 = V::bytes(0x10);
+  const I hb = V::load(hp, next_h);
+  q4_codes<V>(cb, next, w);
+  // bit s of each plane byte to bit 4 (16-bit shifts: the mask drops what crosses bytes)
+  w[0] = V::or_(w[0], V::and_(V::template sll16<4>(hb), bit4));
+  w[1] = V::or_(w[1], V::and_(V::template sll16<3>(hb), bit4));
+  w[2] = V::or_(w[2], V::and_(V::template sll16<2>(hb), bit4));
+  w[3] = V::or_(w[3], V::and_(V::template sll16<1>(hb), bit4));
+  w[4] = V::or_(w[4], V::and_(hb, bit4));
+  w[5] = V::or_(w[5], V::and_(V::template srl16<1>(hb), bit4));
+  w[6] = V::or_(w[6], V::and_(V::template srl16<2>(hb), bit4));
+  w[7] = V::or_(w[7], V::and_(V::template srl16<3>(hb), bit4));
+}
 
 // R rows of quantized x against one q4 group (two with Z16, `next` bytes apart): acc[r]
 // (a lane per weight row). `scales.load(V{}, kb, d8, m8)` gives block kb's scales and
@@ -400,17 +447,12 @@ inline void q4_group(const uint8_t* pc, int64_t next, const Scales& scales, cons
   using I = typename V::I;
   using F = typename V::F;
   const int64_t nb = K / QK;
-  const I low = V::bytes(0x0F);
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
     V::prefetch(cb + PREFETCH_AHEAD, next, 128);
-    I w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the rows
-    for (int ch = 0; ch < 4; ++ch) {
-      const I raw = V::load(cb + 32 * ch, next);
-      w[ch] = V::and_(raw, low);
-      w[ch + 4] = V::and_(V::template srl16<4>(raw), low);
-    }
+    I w[8];
+    q4_codes<V>(cb, next, w);
     F d8, m8;
     scales.load(V{}, kb, d8, m8);
     for (int r = 0; r < R; ++r) {
@@ -444,30 +486,14 @@ inline void q5_group(const uint8_t* pc, int64_t next, const uint8_t* ph, int64_t
   using I = typename V::I;
   using F = typename V::F;
   const int64_t nb = K / QK;
-  const I low = V::bytes(0x0F);
-  const I bit4 = V::bytes(0x10);
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t kb = 0; kb < nb; ++kb) {
     const uint8_t* cb = pc + kb * 128;
     V::prefetch(cb + PREFETCH_AHEAD, next, 128);
     // the plane has a quarter of the codes' bytes: as many blocks ahead is a quarter as far
     V::prefetch(ph + kb * 32 + PREFETCH_AHEAD / 4, next_h, 64);
-    const I hb = V::load(ph + kb * 32, next_h);
-    I w[8];  // w[s]: elements 4s..4s+3 of the block, for each of the rows
-    for (int ch = 0; ch < 4; ++ch) {
-      const I raw = V::load(cb + 32 * ch, next);
-      w[ch] = V::and_(raw, low);
-      w[ch + 4] = V::and_(V::template srl16<4>(raw), low);
-    }
-    // bit s of each plane byte to bit 4 (16-bit shifts: the mask drops what crosses bytes)
-    w[0] = V::or_(w[0], V::and_(V::template sll16<4>(hb), bit4));
-    w[1] = V::or_(w[1], V::and_(V::template sll16<3>(hb), bit4));
-    w[2] = V::or_(w[2], V::and_(V::template sll16<2>(hb), bit4));
-    w[3] = V::or_(w[3], V::and_(V::template sll16<1>(hb), bit4));
-    w[4] = V::or_(w[4], V::and_(hb, bit4));
-    w[5] = V::or_(w[5], V::and_(V::template srl16<1>(hb), bit4));
-    w[6] = V::or_(w[6], V::and_(V::template srl16<2>(hb), bit4));
-    w[7] = V::or_(w[7], V::and_(V::template srl16<3>(hb), bit4));
+    I w[8];
+    q5_codes<V>(cb, next, ph + kb * 32, next_h, w);
     F d8, m8;
     scales.load(V{}, kb, d8, m8);
     for (int r = 0; r < R; ++r) {
@@ -627,11 +653,12 @@ constexpr int64_t ZMM_MIN_ROWS = 5;
 template <typename V>
 constexpr int64_t tile_rows = std::is_same_v<V, Y8> ? TILE : ZTILE;
 
-// Group g's outputs (and g + 1's with Z16) for every row of x, in tiles of T rows (the
+// Group g's outputs (and g + 1's with Z16) for rows first.. of x, in tiles of T rows (the
 // group's weights stay in L1 between tiles).
 template <typename V, int64_t T, typename GroupFn>
-inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& group) {
-  for (int64_t b0 = 0; b0 < B; b0 += T) {
+inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& group,
+                       int64_t first = 0) {
+  for (int64_t b0 = first; b0 < B; b0 += T) {
     const int64_t rows = std::min(T, B - b0);
     typename V::F acc[T];
     group(V{}, g, b0, rows, acc);
@@ -665,6 +692,185 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
         group_rows<Y8, TILE>(B, N, out, g, group);
     }
   });
+}
+
+// The block formats on AMX tiles (`amx_pair_rows`), one struct a format: `codes` gives a
+// pair of groups' block kb in Z16 registers (tile B's rows), `bias` (signed codes only)
+// what x's bias of 128 adds to each lane's sum, and `block` the float32 math of one block
+// for 16 rows of x from its integer sums: the group kernel's instructions in its order,
+// so the bits are the same. Member templates, so only the AMX build instantiates them.
+// xd, xs: x's block scales and sums, [B, nb].
+template <typename Scales>
+struct Q4Tiles {  // q4 codes with float scales and mins: Q4_0, Q4_1, Q4_K
+  static constexpr bool kSigned = false;
+  const uint8_t* pc;
+  int64_t next;
+  Scales scales;
+  const float *xd, *xs;
+  int64_t nb;
+  template <typename V> void codes(int64_t kb, typename V::I* w) const {
+    q4_codes<V>(pc + kb * 128, next, w);
+  }
+  template <typename V> typename V::I bias(const typename V::I*, int64_t) const {
+    return V::zero();
+  }
+  template <typename V>
+  void block(int64_t kb, int64_t b0, const int32_t* p, const int32_t*,
+             typename V::F* acc) const {
+    typename V::F d8, m8;
+    scales.load(V{}, kb, d8, m8);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const typename V::F ps = V::to_ps(_mm512_loadu_si512(p + 16 * r));
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[(b0 + r) * nb + kb])), ps, acc[r]);
+      acc[r] = V::fmadd(m8, V::set1(xs[(b0 + r) * nb + kb]), acc[r]);
+    }
+  }
+};
+
+template <typename Scales>
+struct Q5Tiles : Q4Tiles<Scales> {  // 5-bit codes: Q5_0, Q5_1, Q5_K
+  const uint8_t* ph;
+  int64_t next_h;
+  template <typename V> void codes(int64_t kb, typename V::I* w) const {
+    q5_codes<V>(this->pc + kb * 128, this->next, ph + kb * 32, next_h, w);
+  }
+};
+
+struct Q8Tiles {  // signed codes, x biased: Q8_0
+  static constexpr bool kSigned = true;
+  const int8_t* pc;
+  int64_t next;
+  const at::Half* ps;
+  int64_t next_s;
+  const float* xd;
+  int64_t nb;
+  template <typename V> void codes(int64_t kb, typename V::I* w) const {
+    for (int ch = 0; ch < 8; ++ch) w[ch] = V::load(pc + kb * 256 + 32 * ch, next);
+  }
+  template <typename V> typename V::I bias(const typename V::I* w, int64_t) const {
+    return V::template sll32<7>(code_sum<V, 8>(w));  // 128 * sum(c)
+  }
+  template <typename V>
+  void block(int64_t kb, int64_t b0, const int32_t* p, const int32_t* bias,
+             typename V::F* acc) const {
+    const typename V::F d8 = V::half8(ps + kb * 8, next_s);
+    const typename V::I b = _mm512_loadu_si512(bias);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      const typename V::I s32 = V::sub32(_mm512_loadu_si512(p + 16 * r), b);
+      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[(b0 + r) * nb + kb])), V::to_ps(s32), acc[r]);
+    }
+  }
+};
+
+#ifdef FLARE_AMX
+// Rows of x a tile holds. Calls with AMX_MIN_ROWS rows or more take the tiles for every
+// whole tile of rows, and the Z16 kernels for the rest: at 16 rows the tiles ran 0.75-1.19x
+// the Z16 kernels, from 64 rows 1.13-1.43x (bench/kernel_ab.py --hot, q4, q8, Q5_0 at
+// 1536 x 576 and 576 x 1536, Xeon with AMX, 2 threads). Q6_K stays on Z16: its sub-block
+// scales take two half-block products (k = 16), which ran 0.5-0.6x.
+constexpr int64_t AMX_ROWS = 16;
+constexpr int64_t AMX_MIN_ROWS = 32;
+
+// Groups g and g + 1 (one 16-lane Z16 pass) for rows 0 .. B16 of x (a multiple of 16),
+// on tiles: the pair's codes are laid out once; then for each 16 rows of x, the tiles
+// compute each block's exact integer sums (two products in flight, amx.h's slots), and
+// `fmt.block` scales them into acc block by block, in order.
+// xq: x's codes [B, K] (biased where Fmt::kSigned). Scratch, the thread's own: panel, the
+// pair's codes in tile B's layout (512 bytes a block); bias, their biases (16 int32 a
+// block); sums, a ring of two blocks' sums (256 int32 each).
+template <typename Fmt>
+void amx_pair_rows(const Fmt& fmt, int64_t B16, int64_t K, int64_t N, int64_t g,
+                   const int8_t* xq, float* out, std::vector<uint8_t>& panel,
+                   std::vector<int32_t>& bias, std::vector<int32_t>& sums) {
+  using V = Z16;
+  const int64_t nb = K / QK;
+  panel.resize(nb * 512);
+  bias.resize(nb * 16);
+  sums.resize(512);
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    V::I w[8];
+    fmt.template codes<V>(kb, w);
+    for (int s = 0; s < 8; ++s) _mm512_storeu_si512(panel.data() + kb * 512 + 64 * s, w[s]);
+    if constexpr (Fmt::kSigned)
+      _mm512_storeu_si512(bias.data() + kb * 16, fmt.template bias<V>(w, kb));
+  }
+  flare_amx::tile_memory_barrier();  // the panel is stored before any tile loads it
+  const uint8_t* wp = panel.data();
+  int32_t* sp = sums.data();
+  for (int64_t b0 = 0; b0 < B16; b0 += AMX_ROWS) {
+    flare_amx::tile_memory_barrier();  // the last rows' reads of the sums come first
+    const int8_t* xt = xq + b0 * K;
+    V::F acc[16];
+    for (auto& a : acc) a = V::fzero();
+    // slot 0 the even blocks, slot 1 the odd ones, each two blocks ahead of the scaling: a
+    // block's sums are stored (into the ring, in L1) while the next block's product runs,
+    // and scaled while the tiles compute the block after (a tile store right after its
+    // own product stalled on it; GCC's tile intrinsics paste their tile numbers into
+    // assembly, so the slots are literals in a macro)
+#define FLARE_TILE_ISSUE(C, A, B, KB)                                      \
+  do {                                                                     \
+    _tile_zero(C);                                                         \
+    _tile_loadd(A, xt + (KB) * QK, K);                                     \
+    _tile_loadd(B, wp + (KB) * 512, 64);                                   \
+    if constexpr (Fmt::kSigned)                                            \
+    _tile_dpbusd(C, A, B); /* x biased (unsigned) by signed codes */     \
+    else                                                                   \
+    _tile_dpbsud(C, A, B); /* signed x by unsigned codes */              \
+  } while (0)
+    int32_t* ring0 = sp;
+    int32_t* ring1 = sp + 256;
+    FLARE_TILE_ISSUE(0, 2, 3, 0);
+    if (nb > 1) FLARE_TILE_ISSUE(1, 4, 5, 1);
+    for (int64_t kb = 0; kb < nb; kb += 2) {
+      _tile_stored(0, ring0, 64);
+      flare_amx::tile_memory_barrier();
+      if (kb + 2 < nb) FLARE_TILE_ISSUE(0, 2, 3, kb + 2);
+      fmt.template block<V>(kb, b0, ring0, bias.data() + kb * 16, acc);
+      if (kb + 1 == nb) break;
+      _tile_stored(1, ring1, 64);
+      flare_amx::tile_memory_barrier();
+      if (kb + 3 < nb) FLARE_TILE_ISSUE(1, 4, 5, kb + 3);
+      fmt.template block<V>(kb + 1, b0, ring1, bias.data() + (kb + 1) * 16, acc);
+    }
+#undef FLARE_TILE_ISSUE
+    for (int r = 0; r < 16; ++r) V::store(out + (b0 + r) * N + 8 * g, acc[r]);
+  }
+}
+#endif
+
+// for_groups, and where this build has AMX tiles and the call has a tile's rows of x,
+// each pair of groups on tiles: `tiles(g)` gives the format's struct above for groups g
+// and g + 1. The rows past the last whole tile, and a lone last group, take `group` as
+// for_groups does. The same bits either way.
+// xq: x's codes [B, K] as the group kernels take them.
+template <typename GroupFn, typename TilesOf>
+void for_groups(int64_t B, int64_t N, float* out, GroupFn group,
+                [[maybe_unused]] const int8_t* xq, [[maybe_unused]] int64_t K,
+                [[maybe_unused]] TilesOf tiles) {
+#ifdef FLARE_AMX
+  if (B >= AMX_MIN_ROWS && flare_amx::available()) {
+    const int64_t G = N / 8, U = (G + 1) / 2, B16 = B / AMX_ROWS * AMX_ROWS;
+    at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+      flare_amx::configure();
+      std::vector<uint8_t> panel;
+      std::vector<int32_t> bias, sums;
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t g = 2 * u;
+        if (g + 1 < G) {
+          amx_pair_rows(tiles(g), B16, K, N, g, xq, out, panel, bias, sums);
+          group_rows<Z16, ZTILE>(B, N, out, g, group, B16);
+        } else {
+          group_rows<Y8, TILE>(B, N, out, g, group);
+        }
+      }
+      flare_amx::release();
+    });
+    return;
+  }
+#endif
+  for_groups(B, N, out, group);
 }
 
 // CALL with the compile-time R = R_ (1 .. MAXR, MAXR 4 or 8)
@@ -734,6 +940,9 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            (q4_group<V, R>(c + g * nb * 128, nb * 128, scales_of(g),
                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                            xr.s.data() + b0 * nb, K, acc)));
+    }, xr.q.data(), K, [&](int64_t g) {
+      return Q4Tiles<decltype(scales_of(g))>{c + g * nb * 128, nb * 128, scales_of(g),
+                                             xr.d.data(), xr.s.data(), nb};
     });
   });
   return y;
@@ -758,6 +967,8 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                          (q8_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 8,
                                          nb * 8, xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                          K, acc)));
+  }, xr.q.data(), K, [&](int64_t g) {
+    return Q8Tiles{c + g * nb * 256, nb * 256, sc + g * nb * 8, nb * 8, xr.d.data(), nb};
   });
   return y;
 }
@@ -809,6 +1020,10 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                                             xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
+  }, xr.q.data(), K, [&](int64_t g) {
+    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
+                       nb};
+    return Q4Tiles<Q4KScales>{c + g * nb * 128, nb * 128, gs, xr.d.data(), xr.s.data(), nb};
   });
   return y;
 }
@@ -867,6 +1082,10 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                                            nb * 32, scales_of(g), xr.q.data() + b0 * K,
                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb,
                                            K, acc)));
+    }, xr.q.data(), K, [&](int64_t g) {
+      using S = decltype(scales_of(g));
+      return Q5Tiles<S>{{c + g * nb * 128, nb * 128, scales_of(g), xr.d.data(), xr.s.data(),
+                         nb}, h + g * nb * 32, nb * 32};
     });
   });
   return y;
@@ -902,6 +1121,11 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                                                nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                             xr.s.data() + b0 * nb, K, acc)));
+  }, xr.q.data(), K, [&](int64_t g) {
+    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
+                       nb};
+    return Q5Tiles<Q4KScales>{{c + g * nb * 128, nb * 128, gs, xr.d.data(), xr.s.data(), nb},
+                              h + g * nb * 32, nb * 32};
   });
   return y;
 }

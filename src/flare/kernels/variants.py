@@ -3,18 +3,20 @@
 Every variant is the whole extension built from the same sources with its own -m flags
 (added to the baseline's `CFLAGS` in `flare.kernels`), in its own cache folder under its
 own key. qdot8.cpp's int8 dot products pick their instructions at compile time
-(`FLARE_DPBUSD`), so every kernel, layers.cpp's native decoder included, runs the variant
-it was built in. Best first:
+(`FLARE_DPBUSD`, `FLARE_AMX`), so every kernel, layers.cpp's native decoder included,
+runs the variant it was built in. Best first:
 
+    avx512amx   avx512vnni's flags + -mamx-tile -mamx-int8 (products of 16 rows of x and
+                more on AMX tiles, amx.h; fewer rows as avx512vnni)
     avx512vnni  + -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni
                 (512-bit `vpdpbusd` over two 8-row groups, zmm attention)
     avxvnni     + -mavxvnni (256-bit VEX `vpdpbusd`, the Alder Lake / Zen 5 kind)
     avx2        the baseline: -mavx2 -mfma -mf16c (`vpmaddubsw` + `vpmaddwd`), always
 
 A variant is a candidate where /proc/cpuinfo lists its flags (`missing_flags`); a flag is
-not proof that the instructions run (AMX traps in some VMs that list it), so a candidate is
-then probed in a child process before it is used (`flare.kernels.probe`). No AMX variant
-is built.
+not proof that the instructions run (AMX traps in some VMs that list it, even after the
+kernel grants the tile state), so a candidate is then probed in a child process before it
+is used (`flare.kernels.probe`): one that dies there is rejected and the next is tried.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class Variant:
 
 
 BASELINE = "avx2"
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
+_AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")
 VARIANTS: tuple[Variant, ...] = (  # best first
-    Variant("avx512vnni",
-            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
-            ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
+    Variant("avx512amx", _AVX512 + ("-mamx-tile", "-mamx-int8"),
+            _AVX512_FLAGS + ("amx_tile", "amx_int8")),
+    Variant("avx512vnni", _AVX512, _AVX512_FLAGS),
     Variant("avxvnni", ("-mavxvnni",), ("avx_vnni",)),
     Variant(BASELINE, (), ()),
 )

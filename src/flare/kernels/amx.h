@@ -23,7 +23,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace flare_amx {
 

@@ -438,6 +438,30 @@ inline void q5_codes(const uint8_t* cb, int64_t next, const uint8_t* hp, int64_t
   w[7] = V::or_(w[7], V::and_(V::template srl16<3>(hb), bit4));
 }
 
+// A q8 group block's signed codes (256 bytes at cb; with Z16 the next group's `next`
+// bytes on) as 8 registers, laid out as q4_codes'.
+template <typename V>
+inline void q8_codes(const int8_t* cb, int64_t next, typename V::I* w) {
+  for (int ch = 0; ch < 8; ++ch) w[ch] = V::load(cb + 32 * ch, next);
+}
+
+// One block's float32 math for one row of x, given its exact integer sums p (as float32,
+// a lane per weight row): every kernel and variant runs these, in this order, which is
+// why their bits agree. q4 and q5 codes: acc + (d * dx) * p, then + m * sx (x's block
+// scale dx and block sum sx; the weights' scales d and mins m).
+template <typename V>
+inline typename V::F q4_term(typename V::F acc, typename V::F d8, typename V::F m8,
+                             typename V::F p, float dx, float sx) {
+  acc = V::fmadd(V::mul(d8, V::set1(dx)), p, acc);
+  return V::fmadd(m8, V::set1(sx), acc);
+}
+
+// The signed-code formats (q8, Q6_K): acc + (d * dx) * p.
+template <typename V>
+inline typename V::F q8_term(typename V::F acc, typename V::F d8, typename V::F p, float dx) {
+  return V::fmadd(V::mul(d8, V::set1(dx)), p, acc);
+}
+
 // R rows of quantized x against one q4 group (two with Z16, `next` bytes apart): acc[r]
 // (a lane per weight row). `scales.load(V{}, kb, d8, m8)` gives block kb's scales and
 // mins as float32.
@@ -468,8 +492,7 @@ inline void q4_group(const uint8_t* pc, int64_t next, const Scales& scales, cons
         s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], V::bcast(xb + 4 * s)));
       const F p = V::to_ps(_mm256_madd_epi16(s16, ones));
 #endif
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), p, acc[r]);
-      acc[r] = V::fmadd(m8, V::set1(xs[r * nb + kb]), acc[r]);
+      acc[r] = q4_term<V>(acc[r], d8, m8, p, xd[r * nb + kb], xs[r * nb + kb]);
     }
   }
 }
@@ -513,8 +536,7 @@ inline void q5_group(const uint8_t* pc, int64_t next, const uint8_t* ph, int64_t
       const F p = V::to_ps(
           _mm256_add_epi32(_mm256_madd_epi16(a16, ones), _mm256_madd_epi16(b16, ones)));
 #endif
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), p, acc[r]);
-      acc[r] = V::fmadd(m8, V::set1(xs[r * nb + kb]), acc[r]);
+      acc[r] = q4_term<V>(acc[r], d8, m8, p, xd[r * nb + kb], xs[r * nb + kb]);
     }
   }
 }
@@ -547,7 +569,7 @@ inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t
     const int8_t* cb = pc + kb * 256;
     V::prefetch(cb + PREFETCH_AHEAD, next, 256);
     I raw[8];
-    for (int ch = 0; ch < 8; ++ch) raw[ch] = V::load(cb + 32 * ch, next);
+    q8_codes<V>(cb, next, raw);
     const F d8 = V::half8(pd + (kb / 8) * 8, next_d);
 #ifdef FLARE_DPBUSD
     const I lo = V::i8_epi32(psc + kb * 16, next_s), hi = V::i8_epi32(psc + kb * 16 + 8, next_s);
@@ -564,7 +586,7 @@ inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t
         b32 = V::dpbusd(b32, V::bcast(xb + 16 + 4 * ch), raw[ch + 4]);
       }
       const I p = V::sub32(V::add32(V::mul32(a32, lo), V::mul32(b32, hi)), bias);
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(p), acc[r]);
+      acc[r] = q8_term<V>(acc[r], d8, V::to_ps(p), xd[r * nb + kb]);
     }
 #else
     I mag[8];
@@ -583,7 +605,7 @@ inline void q6k_group(const int8_t* pc, int64_t next, const int8_t* psc, int64_t
             mag[ch + 4], V::sign8(V::bcast(xb + 16 + 4 * ch), raw[ch + 4])));
       }
       const I p = _mm256_add_epi32(_mm256_madd_epi16(a16, lo), _mm256_madd_epi16(b16, hi));
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(p), acc[r]);
+      acc[r] = q8_term<V>(acc[r], d8, V::to_ps(p), xd[r * nb + kb]);
     }
 #endif
   }
@@ -603,7 +625,7 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
     const int8_t* cb = pc + kb * 256;
     V::prefetch(cb + PREFETCH_AHEAD, next, 256);
     I raw[8];
-    for (int ch = 0; ch < 8; ++ch) raw[ch] = V::load(cb + 32 * ch, next);
+    q8_codes<V>(cb, next, raw);
     const F d8 = V::half8(ps + kb * 8, next_s);
 #ifdef FLARE_DPBUSD
     const I bias = V::template sll32<7>(code_sum<V, 8>(raw));  // 128 * sum(c)
@@ -616,7 +638,7 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
         s1 = V::dpbusd(s1, V::bcast(xb + 4 * ch + 4), raw[ch + 1]);
       }
       const I s32 = V::sub32(V::add32(s0, s1), bias);
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(s32), acc[r]);
+      acc[r] = q8_term<V>(acc[r], d8, V::to_ps(s32), xd[r * nb + kb]);
     }
 #else
     I mag[8];
@@ -631,7 +653,7 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
         s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[ch], xs),
                                                       _mm256_set1_epi16(1)));
       }
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[r * nb + kb])), V::to_ps(s32), acc[r]);
+      acc[r] = q8_term<V>(acc[r], d8, V::to_ps(s32), xd[r * nb + kb]);
     }
 #endif
   }
@@ -695,10 +717,11 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
 }
 
 // The block formats on AMX tiles (`amx_pair_rows`), one struct a format: `codes` gives a
-// pair of groups' block kb in Z16 registers (tile B's rows), `bias` (signed codes only)
-// what x's bias of 128 adds to each lane's sum, and `block` the float32 math of one block
-// for 16 rows of x from its integer sums: the group kernel's instructions in its order,
-// so the bits are the same. Member templates, so only the AMX build instantiates them.
+// pair of groups' block kb in Z16 registers (tile B's rows), `bias` (the signed-code
+// formats only) what x's bias of 128 adds to each lane's sum, and `block` the float32
+// math of one block for 16 rows of x from its integer sums: q4_term / q8_term, as the
+// group kernels run them, so the bits are the same. Member templates, so only the AMX
+// build instantiates them.
 // xd, xs: x's block scales and sums, [B, nb].
 template <typename Scales>
 struct Q4Tiles {  // q4 codes with float scales and mins: Q4_0, Q4_1, Q4_K
@@ -711,9 +734,6 @@ struct Q4Tiles {  // q4 codes with float scales and mins: Q4_0, Q4_1, Q4_K
   template <typename V> void codes(int64_t kb, typename V::I* w) const {
     q4_codes<V>(pc + kb * 128, next, w);
   }
-  template <typename V> typename V::I bias(const typename V::I*, int64_t) const {
-    return V::zero();
-  }
   template <typename V>
   void block(int64_t kb, int64_t b0, const int32_t* p, const int32_t*,
              typename V::F* acc) const {
@@ -722,8 +742,7 @@ struct Q4Tiles {  // q4 codes with float scales and mins: Q4_0, Q4_1, Q4_K
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const typename V::F ps = V::to_ps(_mm512_loadu_si512(p + 16 * r));
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[(b0 + r) * nb + kb])), ps, acc[r]);
-      acc[r] = V::fmadd(m8, V::set1(xs[(b0 + r) * nb + kb]), acc[r]);
+      acc[r] = q4_term<V>(acc[r], d8, m8, ps, xd[(b0 + r) * nb + kb], xs[(b0 + r) * nb + kb]);
     }
   }
 };
@@ -746,9 +765,9 @@ struct Q8Tiles {  // signed codes, x biased: Q8_0
   const float* xd;
   int64_t nb;
   template <typename V> void codes(int64_t kb, typename V::I* w) const {
-    for (int ch = 0; ch < 8; ++ch) w[ch] = V::load(pc + kb * 256 + 32 * ch, next);
+    q8_codes<V>(pc + kb * 256, next, w);
   }
-  template <typename V> typename V::I bias(const typename V::I* w, int64_t) const {
+  template <typename V> typename V::I bias(const typename V::I* w) const {
     return V::template sll32<7>(code_sum<V, 8>(w));  // 128 * sum(c)
   }
   template <typename V>
@@ -759,7 +778,7 @@ struct Q8Tiles {  // signed codes, x biased: Q8_0
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       const typename V::I s32 = V::sub32(_mm512_loadu_si512(p + 16 * r), b);
-      acc[r] = V::fmadd(V::mul(d8, V::set1(xd[(b0 + r) * nb + kb])), V::to_ps(s32), acc[r]);
+      acc[r] = q8_term<V>(acc[r], d8, V::to_ps(s32), xd[(b0 + r) * nb + kb]);
     }
   }
 };
@@ -794,7 +813,7 @@ void amx_pair_rows(const Fmt& fmt, int64_t B16, int64_t K, int64_t N, int64_t g,
     fmt.template codes<V>(kb, w);
     for (int s = 0; s < 8; ++s) _mm512_storeu_si512(panel.data() + kb * 512 + 64 * s, w[s]);
     if constexpr (Fmt::kSigned)
-      _mm512_storeu_si512(bias.data() + kb * 16, fmt.template bias<V>(w, kb));
+      _mm512_storeu_si512(bias.data() + kb * 16, fmt.template bias<V>(w));
   }
   flare_amx::tile_memory_barrier();  // the panel is stored before any tile loads it
   const uint8_t* wp = panel.data();
@@ -1011,19 +1030,21 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
+  // group g's scales, for the group kernel and the tiles alike
+  const auto kscales = [&](int64_t g) {
+    return Q4KScales{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8, nb};
+  };
   for_groups(B, N, y.data_ptr<float>(),
              [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
-    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
-                       nb};
+    const Q4KScales gs = kscales(g);
     FLARE_DISPATCH_GTILE(rows, tile_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
                                             xr.q.data() + b0 * K,
                                             xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
                                             acc)));
   }, xr.q.data(), K, [&](int64_t g) {
-    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
-                       nb};
-    return Q4Tiles<Q4KScales>{c + g * nb * 128, nb * 128, gs, xr.d.data(), xr.s.data(), nb};
+    return Q4Tiles<Q4KScales>{c + g * nb * 128, nb * 128, kscales(g), xr.d.data(),
+                              xr.s.data(), nb};
   });
   return y;
 }
@@ -1111,20 +1132,22 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const uint8_t* mn = mins.data_ptr<uint8_t>();
   const at::Half* pd = d.data_ptr<at::Half>();
   const at::Half* pm = dmin.data_ptr<at::Half>();
+  // group g's scales, for the group kernel and the tiles alike
+  const auto kscales = [&](int64_t g) {
+    return Q4KScales{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8, nb};
+  };
   for_groups(B, N, y.data_ptr<float>(),
              [&](auto lanes, int64_t g, int64_t b0, int64_t rows, auto* acc) {
     using V = decltype(lanes);
-    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
-                       nb};
+    const Q4KScales gs = kscales(g);
     FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
                                                nb * 32, gs,
                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
                                             xr.s.data() + b0 * nb, K, acc)));
   }, xr.q.data(), K, [&](int64_t g) {
-    const Q4KScales gs{sc + g * nb * 8, mn + g * nb * 8, pd + g * nb, pm + g * nb, nb * 8,
-                       nb};
-    return Q5Tiles<Q4KScales>{{c + g * nb * 128, nb * 128, gs, xr.d.data(), xr.s.data(), nb},
+    return Q5Tiles<Q4KScales>{{c + g * nb * 128, nb * 128, kscales(g), xr.d.data(),
+                               xr.s.data(), nb},
                               h + g * nb * 32, nb * 32};
   });
   return y;

@@ -92,6 +92,12 @@ namespace {
 
 using flare_qrows::QK;
 
+// For the helpers that hand a block's codes or sums on in registers (I w[8] and the
+// like): GCC's inliner left q4_codes<Z16> out of line once it had three callers, so eight
+// zmm registers went through memory and back each block (q4 at 8 rows of x ran 0.90x as
+// fast).
+#define FLARE_INLINE inline __attribute__((always_inline))
+
 // q [B, K] int8, d [B, K/32], s [B, K/32] (when not null: d * sum(q) of each block, the
 // block sum of the dequantized x, which q4's min term multiplies). With `biased`, each
 // code is stored as the byte q + 128 (q XOR 0x80, read as uint8 0..255), the unsigned
@@ -372,7 +378,7 @@ struct Q4KScales {
 // vpdpbusd waits for its accumulator, and one chain of 8 would leave the units idle);
 // the integer sum is exact in any order
 template <typename V>
-inline typename V::I dot8(const typename V::I* w, const int8_t* xb) {
+FLARE_INLINE typename V::I dot8(const typename V::I* w, const int8_t* xb) {
   typename V::I a = V::zero(), b = V::zero();
   for (int s = 0; s < 8; s += 2) {
     a = V::dpbusd(a, w[s], V::bcast(xb + 4 * s));
@@ -386,7 +392,7 @@ inline typename V::I dot8(const typename V::I* w, const int8_t* xb) {
 // x biased by 128, sum (q + 128) c = sum q c + 128 * code_sum, so the kernels subtract
 // code_sum << 7. Two chains, as in dot8.
 template <typename V, int chunks>
-inline typename V::I code_sum(const typename V::I* w) {
+FLARE_INLINE typename V::I code_sum(const typename V::I* w) {
   const typename V::I ones = V::bytes(1);
   typename V::I a = V::zero(), b = V::zero();
   for (int s = 0; s < chunks; s += 2) {
@@ -408,7 +414,7 @@ constexpr int64_t PREFETCH_AHEAD = 2048;
 // as 8 registers: w[s] holds elements 4s..4s+3 of the block for each row, a dword lane a
 // row (the layout vpdpbusd and AMX's B tile take).
 template <typename V>
-inline void q4_codes(const uint8_t* cb, int64_t next, typename V::I* w) {
+FLARE_INLINE void q4_codes(const uint8_t* cb, int64_t next, typename V::I* w) {
   const typename V::I low = V::bytes(0x0F);
   for (int ch = 0; ch < 4; ++ch) {
     const typename V::I raw = V::load(cb + 32 * ch, next);
@@ -421,7 +427,7 @@ inline void q4_codes(const uint8_t* cb, int64_t next, typename V::I* w) {
 // bits at hp (`next_h` bytes on to the next group's), byte 4i + b of which holds in bit s
 // the high bit of row i's element 4s + b; codes 0..31, laid out as q4_codes'.
 template <typename V>
-inline void q5_codes(const uint8_t* cb, int64_t next, const uint8_t* hp, int64_t next_h,
+FLARE_INLINE void q5_codes(const uint8_t* cb, int64_t next, const uint8_t* hp, int64_t next_h,
                      typename V::I* w) {
   using I = typename V::I;
   const I bit4 = V::bytes(0x10);
@@ -441,7 +447,7 @@ inline void q5_codes(const uint8_t* cb, int64_t next, const uint8_t* hp, int64_t
 // A q8 group block's signed codes (256 bytes at cb; with Z16 the next group's `next`
 // bytes on) as 8 registers, laid out as q4_codes'.
 template <typename V>
-inline void q8_codes(const int8_t* cb, int64_t next, typename V::I* w) {
+FLARE_INLINE void q8_codes(const int8_t* cb, int64_t next, typename V::I* w) {
   for (int ch = 0; ch < 8; ++ch) w[ch] = V::load(cb + 32 * ch, next);
 }
 
@@ -450,7 +456,7 @@ inline void q8_codes(const int8_t* cb, int64_t next, typename V::I* w) {
 // why their bits agree. q4 and q5 codes: acc + (d * dx) * p, then + m * sx (x's block
 // scale dx and block sum sx; the weights' scales d and mins m).
 template <typename V>
-inline typename V::F q4_term(typename V::F acc, typename V::F d8, typename V::F m8,
+FLARE_INLINE typename V::F q4_term(typename V::F acc, typename V::F d8, typename V::F m8,
                              typename V::F p, float dx, float sx) {
   acc = V::fmadd(V::mul(d8, V::set1(dx)), p, acc);
   return V::fmadd(m8, V::set1(sx), acc);
@@ -458,7 +464,7 @@ inline typename V::F q4_term(typename V::F acc, typename V::F d8, typename V::F 
 
 // The signed-code formats (q8, Q6_K): acc + (d * dx) * p.
 template <typename V>
-inline typename V::F q8_term(typename V::F acc, typename V::F d8, typename V::F p, float dx) {
+FLARE_INLINE typename V::F q8_term(typename V::F acc, typename V::F d8, typename V::F p, float dx) {
   return V::fmadd(V::mul(d8, V::set1(dx)), p, acc);
 }
 
@@ -688,30 +694,34 @@ inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& gro
   }
 }
 
-// Splits the N / 8 groups over torch's threads, in pairs: with Z16 when B >= ZMM_MIN_ROWS
-// (a lone last group takes Y8), ZTILE rows of x a Z16 pass and TILE a Y8 one.
-// `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 + rows of x against group g (and
-// g + 1 with Z16) into acc.
+// Splits groups g0 .. N / 8 over torch's threads, in pairs, for rows first .. B of x: with
+// Z16 when there are ZMM_MIN_ROWS rows or more (a lone last group takes Y8), ZTILE rows of
+// x a Z16 pass and TILE a Y8 one. `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 +
+// rows of x against group g (and g + 1 with Z16) into acc. The group kernels' only call
+// site: with a second one (the AMX build's), GCC left them out of line, and their
+// registers went through memory (q8 at 8-16 rows of x ran 0.95x as fast).
 template <typename GroupFn>
-void for_groups(int64_t B, int64_t N, float* out, GroupFn group) {
+void for_groups(int64_t B, int64_t N, float* out, GroupFn group, int64_t first = 0,
+                int64_t g0 = 0) {
   const int64_t G = N / 8;
 #ifdef FLARE_ZMM
   constexpr int64_t W = Z16::groups;
 #else
   constexpr int64_t W = Y8::groups;
 #endif
-  const int64_t U = (G + W - 1) / W;
+  const int64_t U = (G - g0 + W - 1) / W;
   const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()) + 1);
   at::parallel_for(0, U, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = g0 + W * u;
 #ifdef FLARE_ZMM
-      if (W * u + 1 < G && B >= ZMM_MIN_ROWS) {
-        group_rows<Z16, ZTILE>(B, N, out, W * u, group);
+      if (g + 1 < G && B - first >= ZMM_MIN_ROWS) {
+        group_rows<Z16, ZTILE>(B, N, out, g, group, first);
         continue;
       }
 #endif
-      for (int64_t g = W * u; g < std::min(G, W * u + W); ++g)
-        group_rows<Y8, TILE>(B, N, out, g, group);
+      for (int64_t h = g; h < std::min(G, g + W); ++h)
+        group_rows<Y8, TILE>(B, N, out, h, group, first);
     }
   });
 }
@@ -859,10 +869,10 @@ void amx_pair_rows(const Fmt& fmt, int64_t B16, int64_t K, int64_t N, int64_t g,
 }
 #endif
 
-// for_groups, and where this build has AMX tiles and the call has a tile's rows of x,
+// for_groups, and where this build has AMX tiles and the call has AMX_MIN_ROWS rows of x,
 // each pair of groups on tiles: `tiles(g)` gives the format's struct above for groups g
-// and g + 1. The rows past the last whole tile, and a lone last group, take `group` as
-// for_groups does. The same bits either way.
+// and g + 1. A lone last group, and the rows past the last whole tile, then take `group`
+// through for_groups. The same bits either way.
 // xq: x's codes [B, K] as the group kernels take them.
 template <typename GroupFn, typename TilesOf>
 void for_groups(int64_t B, int64_t N, float* out, GroupFn group,
@@ -870,22 +880,17 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group,
                 [[maybe_unused]] TilesOf tiles) {
 #ifdef FLARE_AMX
   if (B >= AMX_MIN_ROWS && flare_amx::available()) {
-    const int64_t G = N / 8, U = (G + 1) / 2, B16 = B / AMX_ROWS * AMX_ROWS;
-    at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+    const int64_t G = N / 8, B16 = B / AMX_ROWS * AMX_ROWS;
+    at::parallel_for(0, G / 2, 1, [&](int64_t u0, int64_t u1) {
       flare_amx::configure();
       std::vector<uint8_t> panel;
       std::vector<int32_t> bias, sums;
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t g = 2 * u;
-        if (g + 1 < G) {
-          amx_pair_rows(tiles(g), B16, K, N, g, xq, out, panel, bias, sums);
-          group_rows<Z16, ZTILE>(B, N, out, g, group, B16);
-        } else {
-          group_rows<Y8, TILE>(B, N, out, g, group);
-        }
-      }
+      for (int64_t u = u0; u < u1; ++u)
+        amx_pair_rows(tiles(2 * u), B16, K, N, 2 * u, xq, out, panel, bias, sums);
       flare_amx::release();
     });
+    if (G % 2 == 1) for_groups(B16, N, out, group, 0, G - 1);
+    if (B16 < B) for_groups(B, N, out, group, B16);
     return;
   }
 #endif

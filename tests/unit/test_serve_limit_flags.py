@@ -107,3 +107,23 @@ def test_header_and_body_timeout_flags_reach_the_settings():
         ServerSettings(body_timeout_s=0)
     with pytest.raises(ValueError):
         ServerSettings(header_timeout_s=-1)
+
+
+def test_start_up_objects_are_frozen_out_of_every_collection():
+    """What exists when the server has started is never walked by a collection again
+    (gc.get_objects lists the objects in the collector's generations); what comes after
+    still is."""
+    import gc
+
+    from flare.runtime.boot import freeze_startup_objects
+
+    before = [object(), {"a": [1, 2]}]
+    try:
+        frozen = freeze_startup_objects()
+        assert frozen >= 2
+        after = {"b": [3]}
+        tracked = {id(o) for o in gc.get_objects()}
+        assert id(before[1]) not in tracked and id(before) not in tracked
+        assert id(after) in tracked
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as before

@@ -268,9 +268,9 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
           **settings: Any) -> None:
     """Load a runtime package and serve it until interrupted (blocks).
 
-    `engine_from_package` (load_package -> Engine.from_package) -> AsyncEngine (inside
-    uvicorn's event loop, which
-    it needs) -> uvicorn. The engine is stopped when the server exits.
+    `engine_from_package` (load_package -> Engine.from_package) -> `freeze_startup_objects`
+    -> AsyncEngine (inside uvicorn's event loop, which it needs) -> uvicorn. The engine is
+    stopped when the server exits.
 
     Args:
         package_path: folder of a runtime package written by `flare prepare`.
@@ -305,7 +305,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
 
     from flare.runtime.async_engine import AsyncEngine
     from flare.server.connection import uvicorn_config
-    from flare.runtime.boot import engine_from_package
+    from flare.runtime.boot import engine_from_package, freeze_startup_objects
 
     server_settings = ServerSettings(**settings)
     package, engine = engine_from_package(
@@ -314,6 +314,7 @@ def serve(package_path: str, host: str = "127.0.0.1", port: int = 8000,
         save_state_on_shutdown=save_state_on_shutdown, prefix_cache=prefix_cache,
         write_through=write_through,
         state_dir=state_dir, max_pinned_pages=max_pinned_pages, remote_tier=remote_tier)
+    freeze_startup_objects()  # the engine's objects live as long as the server
 
     async def main() -> None:
         async_engine = AsyncEngine(engine, model_name=package.manifest.model_name,

@@ -4,7 +4,7 @@ lists its flags, a candidate runs only once a probe child has run it and matched
 baseline byte for byte (a child killed by SIGILL or giving another result rejects it, and
 the verdict is cached), and every variant this CPU offers gives the baseline's results
 (random problems of 1 to 17 rows, and the extreme codes that make the largest sums;
-attention over a prefill chunk and a decode step).
+attention over a prefill chunk and a decode step, on float32 and float16 caches).
 On a CPU without VNNI (the AVX2-only AMD machines CI runs on) the choice is avx2 with no
 other build, and the variant comparisons are skipped, saying which flags are missing.
 """

@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -240,12 +241,13 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const T*
 }
 
 // NR rows over D in chunks of NV vectors of the widest float type (zmm in AVX-512 builds,
-// ymm else), then 8-lane vectors for the rest. A chunk holds NR x NV accumulators, NV of
-// V and one broadcast p in the registers (16 ymm, 32 zmm): one more and the compiler keeps
-// an accumulator on the stack, which chains every FMA of it through a store and a load
-// (3 x 4 ymm did: the whole PV pass ran at half speed). Several rows share each V load;
-// each output lane is its own chain over j, so neither the rows sharing a load nor the
-// vector width ever changes a result.
+// ymm else), then 8-lane vectors for the rest; V's rows ahead are prefetched up to key
+// `jlast`, none when jlast < 0 (V already in L1: the widened block). A chunk holds NR x
+// NV accumulators, NV of V and one broadcast p in the registers (16 ymm, 32 zmm): one more
+// and the compiler keeps an accumulator on the stack, which chains every FMA of it
+// through a store and a load (3 x 4 ymm did: the whole PV pass ran at half speed). Several
+// rows share each V load; each output lane is its own chain over j, so neither the rows
+// sharing a load nor the vector width ever changes a result.
 template <int NR, typename T, typename Slot>
 inline void pv_rows(const float* const* p, float* const* o, int64_t D, const T* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
@@ -254,12 +256,14 @@ inline void pv_rows(const float* const* p, float* const* o, int64_t D, const T* 
   constexpr int NV = NR == 1 || VF::registers == 32 ? 4 : 2;
   static_assert(NR * NV + NV + 1 <= VF::registers, "the PV tile must fit the registers");
   int64_t d0 = 0;
+  const bool prefetch = jlast >= 0;
   for (; d0 + L * NV <= D; d0 += L * NV)
-    pv_tile<VF, NR, NV>(p, o, d0, v, stride, slot, j0, j1, d0 == 0, D, jlast);
+    pv_tile<VF, NR, NV>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0, D, jlast);
   for (; d0 + L <= D; d0 += L)
-    pv_tile<VF, NR, 1>(p, o, d0, v, stride, slot, j0, j1, d0 == 0, D, jlast);
+    pv_tile<VF, NR, 1>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0, D, jlast);
   for (; d0 + 8 <= D; d0 += 8)
-    pv_tile<flare_simd::F8, NR, 1>(p, o, d0, v, stride, slot, j0, j1, d0 == 0, D, jlast);
+    pv_tile<flare_simd::F8, NR, 1>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0,
+                                   D, jlast);
 }
 
 // Rows r .. r + NR of a tile over keys [j0, j1) of their own: together over the keys all
@@ -277,61 +281,111 @@ inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const T*
   }
 }
 
+// Rows j0 .. j1 of one head's float16 K or V (key j at slot(j) * stride) widened to
+// float32 into w (key j at (j - j0) * D; exact, F16C), the pool's rows PREFETCH_KEYS ahead
+// (up to key jlast) fetched on the way. The score and PV passes then read each key block
+// as float32 from L1, once converted for every row of the tile: converting in the passes
+// (vcvtph2ps and a broadcast beside every two FMAs in scores_4x8) held 2,048-token
+// prefill attention to about 40% of the FMA peak.
+template <typename Slot>
+inline void widen_rows(const uint16_t* src, int64_t stride, Slot slot, int64_t j0,
+                       int64_t j1, int64_t jlast, int64_t D, float* w) {
+  for (int64_t j = j0; j < j1; ++j) {
+    prefetch_row(src + slot(std::min(j + PREFETCH_KEYS, jlast)) * stride, D);
+    const uint16_t* row = src + slot(j) * stride;
+    float* out = w + (j - j0) * D;
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, flare_simd::F8::load(row + i));
+    for (; i < D; ++i) out[i] = kv_value(row[i]);
+  }
+}
+
+// The scores of a tile's rows for keys [j0, j1) into pr[r][j0 .. j1): key j is row slot(j)
+// of k (row stride `stride`); keys from `last` on read row slot(last) (a valid row, their
+// scores unused); with `prefetch`, K's rows PREFETCH_KEYS keys ahead (up to `last`).
+template <typename T, typename Slot>
+void scores_block(const Tile& t, const T* k, int64_t stride, Slot slot, int64_t j0,
+                  int64_t j1, int64_t last, bool prefetch, int64_t D, float sc,
+                  float* const* pr) {
+  const bool vec = D % 8 == 0;
+  const __m256 scv = _mm256_set1_ps(sc);
+#ifdef __AVX512F__
+  if (vec) {  // zmm: 4 rows x 8 keys a pass (the last rows repeated to fill it)
+    for (int64_t j = j0; j < j1; j += 8) {
+      if (prefetch)
+        for (int c = 0; c < 8; ++c)
+          prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, last)) * stride, D);
+      const T* ks[8];
+      for (int c = 0; c < 8; ++c) ks[c] = k + slot(std::min(j + c, last)) * stride;
+      for (int r = 0; r < t.rows; r += 4) {
+        const float* qa[4];
+        float* pa[4];
+        for (int i = 0; i < 4; ++i) {
+          const int ri = std::min(r + i, t.rows - 1);
+          qa[i] = t.q[ri];
+          pa[i] = pr[ri] + j;
+        }
+        scores_4x8(qa, ks, D, scv, pa);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = j0; j < j1; j += 4) {
+    if (prefetch)
+      for (int c = 0; c < 4; ++c)
+        prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, last)) * stride, D);
+    const T* ks[4];
+    for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, last)) * stride;
+    if (vec) {  // rows in threes, then twos (a last single row repeated in both halves)
+      int r = 0;
+      for (; r + 3 <= t.rows; r += 3)
+        scores_3x4(t.q[r], t.q[r + 1], t.q[r + 2], ks, D, scv, pr[r] + j, pr[r + 1] + j,
+                   pr[r + 2] + j);
+      for (; r < t.rows; r += 2) {
+        const int rb = r + 1 < t.rows ? r + 1 : r;
+        scores_2x4(t.q[r], t.q[rb], ks, D, scv, pr[r] + j, pr[rb] + j);
+      }
+    } else {
+      for (int r = 0; r < t.rows; ++r)
+        for (int c = 0; c < 4; ++c) pr[r][j + c] = score_scalar(t.q[r], ks[c], D, sc);
+    }
+  }
+}
+
+// o_r += P_r V over keys [j0, j1) for every row of the tile: rows in sixes, then threes,
+// over the keys all of them see, then each row alone over the rest of its keys (pv_group)
+template <typename T, typename Slot>
+inline void pv_block(float* const* pr, const Tile& t, int64_t D, const T* v, int64_t stride,
+                     Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
+  int r = 0;
+  for (; r + 6 <= t.rows; r += 6) pv_group<6>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
+  for (; r + 3 <= t.rows; r += 3) pv_group<3>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
+  for (; r < t.rows; ++r) pv_group<1>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
+}
+
 // Attention of a tile's rows over one KV head whose key j is row slot(j) of k / v (row
 // stride `stride` elements of T, float or float16 bits). Scratch `p`: rows x pstride
-// floats, pstride >= max n + 8.
+// floats, pstride >= max n + 8; `wide` (a float16 cache): KEY_BLOCK x D floats.
 template <typename T, typename Slot>
 void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slot,
-                 int64_t D, float sc, float* p, int64_t pstride) {
+                 int64_t D, float sc, float* p, int64_t pstride, float* wide) {
+  constexpr bool kHalf = std::is_same_v<T, uint16_t>;
   int64_t nmax = 0;
   for (int r = 0; r < t.rows; ++r) nmax = std::max(nmax, t.n[r]);
   const bool vec = D % 8 == 0;
-  const __m256 scv = _mm256_set1_ps(sc);
   float* pr[MAX_TILE_ROWS];
   for (int r = 0; r < t.rows; ++r) pr[r] = p + r * pstride;
   // 1. scores, a key block at a time; rows past their own n compute (unused) extra
   // scores up to nmax; keys past nmax read slot(nmax - 1) (a valid row) and are dropped
   for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
     const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
-#ifdef __AVX512F__
-    if (vec) {  // zmm: 4 rows x 8 keys a pass (the last rows repeated to fill it)
-      for (int64_t j = j0; j < j1; j += 8) {
-        for (int c = 0; c < 8; ++c)
-          prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
-        const T* ks[8];
-        for (int c = 0; c < 8; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
-        for (int r = 0; r < t.rows; r += 4) {
-          const float* qa[4];
-          float* pa[4];
-          for (int i = 0; i < 4; ++i) {
-            const int ri = std::min(r + i, t.rows - 1);
-            qa[i] = t.q[ri];
-            pa[i] = pr[ri] + j;
-          }
-          scores_4x8(qa, ks, D, scv, pa);
-        }
-      }
-      continue;
-    }
-#endif
-    for (int64_t j = j0; j < j1; j += 4) {
-      for (int c = 0; c < 4; ++c)
-        prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, nmax - 1)) * stride, D);
-      const T* ks[4];
-      for (int c = 0; c < 4; ++c) ks[c] = k + slot(std::min(j + c, nmax - 1)) * stride;
-      if (vec) {  // rows in threes, then twos (a last single row repeated in both halves)
-        int r = 0;
-        for (; r + 3 <= t.rows; r += 3)
-          scores_3x4(t.q[r], t.q[r + 1], t.q[r + 2], ks, D, scv, pr[r] + j, pr[r + 1] + j,
-                     pr[r + 2] + j);
-        for (; r < t.rows; r += 2) {
-          const int rb = r + 1 < t.rows ? r + 1 : r;
-          scores_2x4(t.q[r], t.q[rb], ks, D, scv, pr[r] + j, pr[rb] + j);
-        }
-      } else {
-        for (int r = 0; r < t.rows; ++r)
-          for (int c = 0; c < 4; ++c) pr[r][j + c] = score_scalar(t.q[r], ks[c], D, sc);
-      }
+    if constexpr (kHalf) {
+      widen_rows(k, stride, slot, j0, j1, nmax - 1, D, wide);
+      scores_block(t, static_cast<const float*>(wide), D,
+                   [j0](int64_t j) { return j - j0; }, j0, j1, j1 - 1, false, D, sc, pr);
+    } else {
+      scores_block(t, k, stride, slot, j0, j1, nmax - 1, true, D, sc, pr);
     }
   }
   // 2. softmax numerators per row over its own n; the normalization is applied last
@@ -343,10 +397,13 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
   if (vec) {
     for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
       const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
-      int r = 0;
-      for (; r + 6 <= t.rows; r += 6) pv_group<6>(pr, t, r, D, v, stride, slot, j0, j1, nmax - 1);
-      for (; r + 3 <= t.rows; r += 3) pv_group<3>(pr, t, r, D, v, stride, slot, j0, j1, nmax - 1);
-      for (; r < t.rows; ++r) pv_group<1>(pr, t, r, D, v, stride, slot, j0, j1, nmax - 1);
+      if constexpr (kHalf) {
+        widen_rows(v, stride, slot, j0, j1, nmax - 1, D, wide);
+        pv_block(pr, t, D, static_cast<const float*>(wide), D,
+                 [j0](int64_t j) { return j - j0; }, j0, j1, -1);
+      } else {
+        pv_block(pr, t, D, v, stride, slot, j0, j1, nmax - 1);
+      }
     }
   } else {
     for (int r = 0; r < t.rows; ++r)
@@ -400,6 +457,7 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   const auto work = [&](int64_t w0, int64_t w1) {
     std::vector<float> p(static_cast<size_t>(std::min<int64_t>(rows_per_tile * G,
                                                                MAX_TILE_ROWS)) * pstride);
+    std::vector<float> wide(std::is_same_v<T, uint16_t> ? KEY_BLOCK * D : 0);
     for (int64_t i = w0; i < w1; ++i) {
       // zig-zag over the items, so the two halves a static split makes each get as many
       // long (late) as short (early) causal rows
@@ -417,7 +475,7 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
           ++t.rows;
         }
       attend_tile(t, kd + kh * D, vd + kh * D, KVH * D, slot_of(b), D, sc, p.data(),
-                  pstride);
+                  pstride, wide.data());
     }
   };
   // decode over a short context: less work than a thread handoff costs

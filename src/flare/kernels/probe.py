@@ -91,6 +91,8 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
     # D = 24 (one zmm of D and an 8-lane rest in the AVX-512 build)
     chunk = _attention_problem(g, [61 + rows], rows, heads=(6, 2), head_dim=64)
     step = _attention_problem(g, [5, 40 + rows, 9], 1, heads=(4, 1), head_dim=24)
+    # the same two on float16 caches (the int8 formats' default pool: widened per key block)
+    chunk16, step16 = (p[:1] + (p[1].half(), p[2].half()) + p[3:] for p in (chunk, step))
     return [
         ("q4x8_linear", lambda m: m.q4x8_linear(x, *q4)),
         ("q4x8_linear (Q4_0: no mins)",
@@ -107,6 +109,8 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
         ("f32_linear", lambda m: m.f32_linear(x, m.dense_pack(w), N, None)),
         ("cached_attention (chunk)", lambda m: m.cached_attention(*chunk)),
         ("cached_attention (decode)", lambda m: m.cached_attention(*step)),
+        ("cached_attention (chunk, float16 cache)", lambda m: m.cached_attention(*chunk16)),
+        ("cached_attention (decode, float16 cache)", lambda m: m.cached_attention(*step16)),
     ]
 
 

@@ -36,8 +36,11 @@
 //
 // The AVX-512 build (kernel variant avx512vnni) runs the same arithmetic in zmm registers:
 // scores_4x8 holds two query rows' 8-lane chains in one register, and the PV tiles cover 16
-// lanes of D a register; every chain and tree is the one above, so its results equal the
-// avx2 build's bit for bit (the kernel probe and test_kernel_variants compare them).
+// lanes of D a register; the score reduction runs two hsum8x8 trees at once
+// (hsum8x8_x2, one per 256-bit half) and the softmax takes its max and exp8 over 16 scores
+// a register (exp16, the same instructions per lane), adding both halves into the 8-lane
+// sum in order of j. Every chain and tree is the one above, so its results equal the avx2
+// build's bit for bit (the kernel probe and test_kernel_variants compare them).
 //
 // Compiled with -ffp-contract=off (kernels/__init__.py), so no compiler-chosen FMA
 // changes one path's rounding and not another's.
@@ -168,14 +171,11 @@ inline void scores_4x8(const float* const* qa, const T* const* ks, int64_t D,
       acc[1][c] = _mm512_fmadd_ps(x[1], kv, acc[1][c]);
     }
   }
-  for (int m = 0; m < 2; ++m) {
-    __m256 lo[8], hi[8];
-    for (int c = 0; c < 8; ++c) {
-      lo[c] = _mm512_castps512_ps256(acc[m][c]);
-      hi[c] = _mm512_extractf32x8_ps(acc[m][c], 1);
-    }
-    _mm256_storeu_ps(pa[2 * m], _mm256_mul_ps(hsum8x8(lo), scv));
-    _mm256_storeu_ps(pa[2 * m + 1], _mm256_mul_ps(hsum8x8(hi), scv));
+  const __m512 scz = _mm512_broadcast_f32x8(scv);
+  for (int m = 0; m < 2; ++m) {  // both rows' trees at once (hsum8x8_x2)
+    const __m512 s = _mm512_mul_ps(flare_simd::hsum8x8_x2(acc[m]), scz);
+    _mm256_storeu_ps(pa[2 * m], _mm512_castps512_ps256(s));
+    _mm256_storeu_ps(pa[2 * m + 1], _mm512_extractf32x8_ps(s, 1));
   }
 }
 #endif
@@ -189,21 +189,48 @@ inline float score_scalar(const float* q, const T* k, int64_t D, float sc) {
 }
 
 // p[0..n) <- exp(p - max p) in place (p has room for n rounded up to 8); returns
-// 1 / sum, or NaN when a score is NaN or the max is not finite (the row is then NaN)
+// 1 / sum, or NaN when a score is NaN or the max is not finite (the row is then NaN).
+// The AVX-512 builds take 16 scores a step (exp16, exp8's bits per lane) and add each
+// step's two halves into the 8-lane sum one after the other: the same sums in the same
+// order as 8 a step.
 inline float softmax_numerators(float* p, int64_t n) {
   const int64_t np = (n + 7) / 8 * 8;
   for (int64_t j = n; j < np; ++j) p[j] = -INFINITY;
   __m256 vmax = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-  for (int64_t j = 0; j < np; j += 8) {  // max is exact in any order
+  int64_t j = 0;
+#ifdef __AVX512F__
+  __m512 zmax = _mm512_set1_ps(-INFINITY);
+  __mmask16 znan = 0;
+  for (; j + 16 <= np; j += 16) {  // max is exact in any order
+    const __m512 x = _mm512_loadu_ps(p + j);
+    zmax = _mm512_max_ps(zmax, x);
+    znan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  }
+  vmax = _mm256_max_ps(_mm512_castps512_ps256(zmax), _mm512_extractf32x8_ps(zmax, 1));
+  if (znan != 0) return NAN;
+#endif
+  for (; j < np; j += 8) {
     const __m256 x = _mm256_loadu_ps(p + j);
     vmax = _mm256_max_ps(vmax, x);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
   const float mx = flare_simd::hmax8(vmax);
   if (_mm256_movemask_ps(nan) != 0 || !std::isfinite(mx)) return NAN;
-  const __m256 mv = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();  // lane l sums j = l mod 8 in order of j
-  for (int64_t j = 0; j < np; j += 8) {
+  j = 0;
+#ifdef __AVX512F__
+  const __m512 mz = _mm512_set1_ps(mx);
+  for (; j + 16 <= np; j += 16) {
+    __m512 e = flare_simd::exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), mz));
+    if (j + 16 > n)  // the padding lanes: exp16 clamps -inf to a tiny number, drop it
+      e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << (n - j)) - 1), e);
+    _mm512_storeu_ps(p + j, e);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+    sum = _mm256_add_ps(sum, _mm512_extractf32x8_ps(e, 1));
+  }
+#endif
+  const __m256 mv = _mm256_set1_ps(mx);
+  for (; j < np; j += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
     if (j + 8 > n)  // the padding lanes: exp8 clamps -inf to a tiny number, drop it
       e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(

@@ -60,6 +60,34 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
+#ifdef __AVX512F__
+// exp8 on 16 lanes: each lane runs exp8's instructions in exp8's order (min, max, the
+// round to nearest, the same FMAs, the same integer exponent steps), so exp16's lanes equal
+// exp8's bit for bit.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i h = _mm512_srai_epi32(ni, 1);
+  const __m512 s1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(h, _mm512_set1_epi32(127)), 23));
+  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(ni, h), _mm512_set1_epi32(127)), 23));
+  return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+}
+#endif
+
 inline float exp1(float x) {
   alignas(32) float buf[8];
   _mm256_store_ps(buf, exp8(_mm256_set1_ps(x)));
@@ -75,6 +103,26 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
                        _mm256_permute2f128_ps(t0, t1, 0x31));
 }
+
+#ifdef __AVX512F__
+// Two hsum8x8 at once: the 256-bit halves of a[0..8) are two sets of 8 vectors, and each
+// half of the result is hsum8x8 of its set, by the same tree (each hadd_ps as the two
+// shuffles and the add it is made of, the last step's 128-bit lane moves as shuffle_f32x4),
+// so the same bits, in half the instructions of two ymm calls and their extracts.
+inline __m512 hadd_x2(__m512 a, __m512 b) {  // _mm256_hadd_ps in each 256-bit half
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline __m512 hsum8x8_x2(const __m512* a) {
+  const __m512 t0 = hadd_x2(hadd_x2(a[0], a[1]), hadd_x2(a[2], a[3]));
+  const __m512 t1 = hadd_x2(hadd_x2(a[4], a[5]), hadd_x2(a[6], a[7]));
+  // 128-bit lanes t0 = [A0 A1 A2 A3], t1 = [B0 B1 B2 B3] (A0 A1 the first half's): the
+  // sums [A0+A1, A2+A3, B0+B1, B2+B3], then put in order [A0+A1, B0+B1, A2+A3, B2+B3]
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(t0, t1, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(3, 1, 2, 0));
+}
+#endif
 
 // Float vectors for kernels whose lanes are independent chains (each output element its
 // own FMA chain), so the vector width changes how many run at once, never a result:

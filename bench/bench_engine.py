@@ -25,6 +25,7 @@ from flare.loading.embedded import embedded_model_path
 from flare.models.quant.formats import default_kv_dtype
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
+from flare.runtime.boot import freeze_startup_objects
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 
@@ -65,13 +66,17 @@ def flare_engine(ckpt, weights: str, *, max_seq_len: int = 4096, max_num_seqs: i
     `flare prepare` does, from a GGUF's own blocks where the format holds them.
     `num_pages`: the KV pool's pages (default: `max_num_seqs` full-length sequences).
     The pool's dtype is the format's default, as `flare prepare` gives it (float16 for the
-    int8 formats: `default_kv_dtype`)."""
+    int8 formats: `default_kv_dtype`). Its start-up objects are frozen out of the cyclic
+    collector, as `flare serve` freezes them (`freeze_startup_objects`), so no full
+    collection walks the weights' wrappers in the middle of a timed phase."""
     plan = make_plan(ckpt.config, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                      max_batch_tokens=max_batch_tokens, num_pages=num_pages,
                      kv_dtype=default_kv_dtype(weights, dtype="float32", device="cpu"))
     if stored is None:
         stored = convert_tensors(ckpt.tensors, weights, ckpt.blocks)
-    return Engine(ckpt.config, plan, stored, ckpt.tokenizer, prefix_cache=prefix_cache)
+    engine = Engine(ckpt.config, plan, stored, ckpt.tokenizer, prefix_cache=prefix_cache)
+    freeze_startup_objects()
+    return engine
 
 
 def flare_prefill(engine: Engine, ids: list[int]) -> float:

@@ -4,12 +4,13 @@ On a noisy machine two runs of a benchmark minutes apart differ by more than mos
 changes do, so a change is judged here by alternating two engines in the same process:
 one built on each `.so` (the module's own file, e.g. an older build still in
 ~/.cache/flare/kernels), each decoding `--batch` sequences of the embedded model in
-`q4x8` for `--steps` steps, round after round. Prints each build's minimum and median
-mean step over the rounds. A figure, not pass/fail.
+`q4x8` (`--model`: a dense GGUF in its default format) for `--steps` steps, round after
+round. Prints each build's minimum and median mean step over the rounds. A figure, not
+pass/fail.
 
     PYTHONPATH=src .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--batch 1]
         [--steps 64] [--prompt 32] [--rounds 6] [--threads 2] [--kv-dtype float16]
-        [--prefill 2048]
+        [--prefill 2048] [--model FILE.gguf]
 
 With `--prefill N` it times prefill instead: one N-token prompt (fresh tokens each time,
 no prefix cache) from its request to its first token, in the plan's chunks.
@@ -37,7 +38,7 @@ from flare.kernels.probe import import_extension
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
 from flare.models.quant import dense
-from flare.models.quant.formats import default_kv_dtype
+from flare.models.quant.formats import default_kv_dtype, default_weight_format
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
 from flare.runtime.engine import Engine
@@ -52,6 +53,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a GGUF file, in its default weight format (default: the embedded "
+                         "model in q4x8)")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time an N-token prompt's prefill instead of decode steps")
     ap.add_argument("--kv-dtype", choices=["float32", "float16"],
@@ -61,8 +65,10 @@ def main() -> None:
     if len({p.name.split(".")[0] for p in args.builds}) < 2:
         raise SystemExit("the two builds have one module name: Python would load it once")
     torch.set_num_threads(args.threads)
-    ckpt = load_checkpoint(embedded_model_path())
-    tensors = convert_tensors(ckpt.tensors, "q4x8", ckpt.blocks)
+    ckpt = load_checkpoint(args.model or embedded_model_path())
+    weights = "q4x8" if args.model is None else default_weight_format(
+        dtype="float32", device="cpu", recipe="llama", source=ckpt.source)
+    tensors = convert_tensors(ckpt.tensors, weights, ckpt.blocks)
     plan = make_plan(ckpt.config, max_seq_len=max(4096, args.prefill + 64),
                      max_num_seqs=args.batch,
                      max_batch_tokens=max(512, args.batch * args.prompt),

@@ -34,66 +34,6 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// exp(x) for 8 floats, x clamped to [-87.3, 88.7]: x = n ln2 + r, |r| <= ln2/2,
-// exp(r) by a degree-6 polynomial, times 2^n built in the exponent bits.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 r2 = _mm256_mul_ps(r, r);
-  p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n: n in [-126, 128]; split so 2^n never overflows the exponent field
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i h = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
-}
-
-#ifdef __AVX512F__
-// exp8 on 16 lanes: each lane runs exp8's instructions in exp8's order (min, max, the
-// round to nearest, the same FMAs, the same integer exponent steps), so exp16's lanes equal
-// exp8's bit for bit.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i ni = _mm512_cvtps_epi32(n);
-  const __m512i h = _mm512_srai_epi32(ni, 1);
-  const __m512 s1 = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(h, _mm512_set1_epi32(127)), 23));
-  const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_sub_epi32(ni, h), _mm512_set1_epi32(127)), 23));
-  return _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
-}
-#endif
-
-inline float exp1(float x) {
-  alignas(32) float buf[8];
-  _mm256_store_ps(buf, exp8(_mm256_set1_ps(x)));
-  return buf[0];
-}
-
 // 8 vectors -> one vector of their 8 horizontal sums. Lane i is
 // ((a[i]_0 + a[i]_1) + (a[i]_2 + a[i]_3)) + ((a[i]_4 + a[i]_5) + (a[i]_6 + a[i]_7)) for
 // every i: the same tree whichever vectors sit beside a[i] (attention.cpp relies on it).
@@ -139,6 +79,25 @@ struct F8 {
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F round_nearest(F a) {
+    return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  // a * 2^h * 2^(n - h), h = n >> 1, for integral n in [-126, 128] (two factors, so
+  // neither overflows the exponent field)
+  static F scale_pow2(F a, F n) {
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i h = _mm256_srai_epi32(ni, 1);
+    const __m256 s1 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(a, s1), s2);
+  }
 };
 
 #ifdef __AVX512F__
@@ -153,10 +112,59 @@ struct F16 {
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F round_nearest(F a) {
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static F scale_pow2(F a, F n) {  // as F8's, lane for lane
+    const __m512i ni = _mm512_cvtps_epi32(n);
+    const __m512i h = _mm512_srai_epi32(ni, 1);
+    const __m512 s1 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(h, _mm512_set1_epi32(127)), 23));
+    const __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_sub_epi32(ni, h), _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(_mm512_mul_ps(a, s1), s2);
+  }
 };
 using FWide = F16;  // the widest float vector this build has
 #else
 using FWide = F8;
 #endif
+
+// exp(x) a lane, x clamped to [-87.3, 88.7]: x = n ln2 + r, |r| <= ln2/2, exp(r) by a
+// degree-6 polynomial (Cephes' expf coefficients), times 2^n built in the exponent bits.
+// Every width runs the same instructions lane for lane, so exp16's lanes equal exp8's bit
+// for bit.
+template <typename V>
+inline typename V::F exp_lanes(typename V::F x) {
+  x = V::min(V::max(x, V::set1(-87.3f)), V::set1(88.7f));
+  const typename V::F n = V::round_nearest(V::mul(x, V::set1(1.44269504088896341f)));
+  typename V::F r = V::fnmadd(n, V::set1(0.693359375f), x);
+  r = V::fnmadd(n, V::set1(-2.12194440e-4f), r);
+  typename V::F p = V::set1(1.9875691500e-4f);
+  p = V::fmadd(p, r, V::set1(1.3981999507e-3f));
+  p = V::fmadd(p, r, V::set1(8.3334519073e-3f));
+  p = V::fmadd(p, r, V::set1(4.1665795894e-2f));
+  p = V::fmadd(p, r, V::set1(1.6666665459e-1f));
+  p = V::fmadd(p, r, V::set1(5.0000001201e-1f));
+  p = V::fmadd(p, V::mul(r, r), V::add(r, V::set1(1.0f)));
+  return V::scale_pow2(p, n);
+}
+
+inline __m256 exp8(__m256 x) { return exp_lanes<F8>(x); }
+#ifdef __AVX512F__
+inline __m512 exp16(__m512 x) { return exp_lanes<F16>(x); }
+#endif
+
+// exp of one float, by exp8's arithmetic
+inline float exp1(float x) {
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, exp8(_mm256_set1_ps(x)));
+  return buf[0];
+}
 
 }  // namespace flare_simd

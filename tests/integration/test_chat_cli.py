@@ -149,6 +149,7 @@ def test_two_turns_stats_fork_switch_interrupt_exit(smollm2_package, state):
         assert "finish: interrupted" in stats
         long.sendcontrol("c")  # at the prompt: once asks, twice leaves
         long.expect_exact("Ctrl+C again")
+        expect_prompt(long, "long")  # the second at the prompt too, not while it is drawn
         long.sendcontrol("c")
         long.expect(pexpect.EOF)
         long.close()

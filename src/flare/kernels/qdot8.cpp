@@ -692,12 +692,13 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
 // and the 8 rows together.
 constexpr int64_t TILE = 4;
 constexpr int64_t ZTILE = 8;
-// Calls with fewer rows of x (decode up to 4 sequences) take Y8 in the AVX-512 variant
-// too: there the weights stream from memory once a call, and on a Zen 4 EPYC (2 cores,
-// 32 MiB L3) Z16's paired loads ran 1.2-1.4x slower than Y8 at 1-4 rows over 30 layers'
-// weights not in cache (faster only when the weights were in cache); from 5 rows on
-// they tie or Z16 wins. Both give the same bits, so this chooses speed only.
-constexpr int64_t ZMM_MIN_ROWS = 5;
+// The AVX-512 variant takes Z16 at every row count, decode's one row included: with the
+// prefetch wrapping into the next pair (prefetch_ahead), Z16 beat Y8 at 1-4 rows too
+// (bench/ab_builds.py, Xeon with AMX, 2 threads: a step of the embedded model's q4x8
+// at batch 1 1.04-1.17x faster, at 2 and 4 1.09-1.21x; Q6_K's file 1.14x, Q4_K_M's 1.06x).
+// An earlier Zen 4 EPYC run, made before that prefetch, had Y8 1.2-1.4x faster at 1-4
+// rows with the weights not in cache (faster only when they were in cache, which is what
+// the missing prefetch looked like). Both give the same bits, so this chooses speed only.
 template <typename V>
 constexpr int64_t tile_rows = std::is_same_v<V, Y8> ? TILE : ZTILE;
 
@@ -715,8 +716,8 @@ inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& gro
 }
 
 // Splits groups g0 .. N / 8 over torch's threads, in pairs, for rows first .. B of x: with
-// Z16 when there are ZMM_MIN_ROWS rows or more (a lone last group takes Y8), ZTILE rows of
-// x a Z16 pass and TILE a Y8 one. `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 +
+// Z16 in the AVX-512 variant (a lone last group takes Y8), ZTILE rows of x a Z16 pass and
+// TILE a Y8 one. `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 +
 // rows of x against group g (and g + 1 with Z16) into acc. The group kernels' only call
 // site: with a second one (the AMX build's), GCC left them out of line, and their
 // registers went through memory (q8 at 8-16 rows of x ran 0.95x as fast).
@@ -735,7 +736,7 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group, int64_t first =
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = g0 + W * u;
 #ifdef FLARE_ZMM
-      if (g + 1 < G && B - first >= ZMM_MIN_ROWS) {
+      if (g + 1 < G) {
         group_rows<Z16, ZTILE>(B, N, out, g, group, first);
         continue;
       }

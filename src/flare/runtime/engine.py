@@ -41,6 +41,7 @@ from flare.runtime.cuda_graphs import DecodeRunner, GraphPlan
 from flare.runtime.engine_state import StateWiring
 from flare.runtime.engine_stats import EngineStats
 from flare.runtime.forward import ForwardRunner
+from flare.runtime.openmp import release_thread_pool
 from flare.runtime.request import GenerationRequest, RequestOutput, RequestRejected
 from flare.runtime.scheduler import Scheduler
 from flare.runtime.sequence import Sequence
@@ -298,8 +299,11 @@ class Engine(StepLoop, ForwardRunner, StateWiring, EngineStats):
         return fut
 
     def start(self) -> None:
-        """Run the step loop in a daemon thread."""
+        """Run the step loop in a daemon thread. The calling thread's idle OpenMP workers
+        are released first (`openmp.release_thread_pool`): left alive, they make libgomp
+        wake every kernel's workers from sleep on the step loop's thread."""
         if self._thread is None:
+            release_thread_pool()
             self._thread = threading.Thread(target=self._loop, name="flare-engine",
                                             daemon=True)
             self._thread.start()

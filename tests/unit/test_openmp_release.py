@@ -34,14 +34,19 @@ def test_release_is_accepted_and_changes_no_result():
         pytest.skip("this torch build loads no libgomp: nothing to release")
     module = kernels.qgemm()
     x, *w = _q4_problem()
-    torch.set_num_threads(2)
-    before = module.q4x8_linear(x, *w)
-    assert release_thread_pool() is True
-    after_here = module.q4x8_linear(x, *w)  # a new pool on this thread
-    elsewhere: list[torch.Tensor] = []
-    worker = threading.Thread(target=lambda: elsewhere.append(module.q4x8_linear(x, *w)))
-    worker.start()
-    worker.join()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a pool with a worker to release, on any machine
+    try:
+        before = module.q4x8_linear(x, *w)
+        assert release_thread_pool() is True
+        after_here = module.q4x8_linear(x, *w)  # a new pool on this thread
+        elsewhere: list[torch.Tensor] = []
+        worker = threading.Thread(
+            target=lambda: elsewhere.append(module.q4x8_linear(x, *w)))
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)  # the rest of the session keeps its own
     assert torch.equal(before, after_here)
     assert torch.equal(before, elsewhere[0])
     assert release_thread_pool() is True  # again, with the new pool in place

@@ -6,7 +6,8 @@ one built on each `.so` (the module's own file, e.g. an older build still in
 ~/.cache/flare/kernels), each decoding `--batch` sequences of the embedded model in
 `q4x8` (`--model`: a dense GGUF in its default format) for `--steps` steps, round after
 round. Prints each build's minimum and median mean step over the rounds. A figure, not
-pass/fail.
+pass/fail. A build with `set_zmm_min_rows` (AVX-512, from 2026-12) runs with the width
+`flare.kernels.register_width` measures for it here, as `flare.kernels.qgemm()` would.
 
     PYTHONPATH=src .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--batch 1]
         [--steps 64] [--prompt 32] [--rounds 6] [--threads 2] [--kv-dtype float16]
@@ -34,6 +35,7 @@ import torch
 from native_share import TimedNative, decode_steps
 
 from flare import kernels
+from flare.kernels import register_width
 from flare.kernels.probe import import_extension
 from flare.loading.checkpoint import load_checkpoint
 from flare.loading.embedded import embedded_model_path
@@ -76,6 +78,10 @@ def main() -> None:
     runs = []
     for path in args.builds:
         kernels._MODULE = import_extension(path)  # what fused_ops() and the model see from here
+        if hasattr(kernels._MODULE, "set_zmm_min_rows"):  # an AVX-512 build measures its width
+            rows = register_width.choose(register_width.measure(kernels._MODULE))
+            kernels._MODULE.set_zmm_min_rows(rows)
+            print(f"{path.name}: two groups a zmm register from {rows} rows of x on")
         dense._DENSE = False  # dense_kernels() looks the module up again
         engine = Engine(ckpt.config, plan, tensors, ckpt.tokenizer, prefix_cache=False)
         if engine.model.native is None:

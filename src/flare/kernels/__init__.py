@@ -16,6 +16,9 @@ with its own -m flags. `isa_variant()` picks one per process: $FLARE_KERNEL_ISA 
 else the best variant whose CPU flags /proc/cpuinfo lists and that passes its probe (built,
 then run against the baseline in a child process, `flare.kernels.probe`; the verdict is
 cached beside the module). Results are identical across variants (qdot8.cpp says why).
+An AVX-512 build also measures once, on this machine, from how many rows of x its int8
+kernels are faster two weight groups a zmm register than one a ymm register
+(`flare.kernels.register_width`; the same bits either way).
 A variant is compiled once with `torch.utils.cpp_extension.load` (-O3 -mavx2 -mfma -mf16c
 -ffp-contract=off -fopenmp, plus its own flags; the kernels use `at::parallel_for`, so they
 run on torch's own OpenMP thread pool: the module's libgomp.so.1 is the copy torch loaded,
@@ -52,7 +55,7 @@ from types import ModuleType
 import torch
 
 from flare.cache_dir import default_cache_dir
-from flare.kernels import variants
+from flare.kernels import register_width, variants
 from flare.kernels.build import (  # the public names stay importable from flare.kernels
     CFLAGS,
     HEADERS,
@@ -322,6 +325,9 @@ def qgemm() -> ModuleType:
             (rows.cpp; `flare.models.native_layers.native_embedding`)
         page_gather(pages, lengths, page_size) -> (gather int64 [B, M], lengths [B]):
             a decode group's cache slots (rows.cpp; `flare.runtime.forward`)
+        set_zmm_min_rows(rows), zmm_min_rows(): from how many rows of x the AVX-512
+            builds' int8 kernels take two weight groups a zmm register (the same bits
+            either way); set here to what `register_width` measured for this machine
 
     Raises:
         KernelUnavailable: the CPU lacks AVX2/FMA, no compiler or ninja, the build
@@ -334,11 +340,27 @@ def qgemm() -> ModuleType:
     if _PROBLEM is not None:
         raise KernelUnavailable(_PROBLEM)
     try:
-        _MODULE = variant_module(isa_variant())
+        module = variant_module(isa_variant())
     except KernelUnavailable as exc:
         _PROBLEM = str(exc)
         raise
+    set_register_width(module, isa_variant())
+    _MODULE = module
     return _MODULE
+
+
+def set_register_width(module: ModuleType, variant: str) -> None:
+    """Set the rows of x from which `module`, a build of `variant`, runs its int8 kernels
+    two 8-row groups a zmm register (`register_width`: measured once per build on this
+    machine under the build lock, then read from `<module folder>.width.json`). Builds
+    without AVX-512 have one width only and are left alone."""
+    if "-mavx512f" not in variants.variant(variant).cflags:
+        return
+    final = module_folder(variant)
+    with build_lock(final):  # processes starting together measure once, not side by side
+        rows = register_width.zmm_min_rows(module, final.parent / f"{final.name}.width.json",
+                                           build_key(variant))
+    module.set_zmm_min_rows(rows)
 
 
 def qgemm_problem() -> str | None:

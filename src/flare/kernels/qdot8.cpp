@@ -692,13 +692,14 @@ inline void q8_group(const int8_t* pc, int64_t next, const at::Half* ps, int64_t
 // and the 8 rows together.
 constexpr int64_t TILE = 4;
 constexpr int64_t ZTILE = 8;
-// The AVX-512 variant takes Z16 at every row count, decode's one row included: with the
-// prefetch wrapping into the next pair (prefetch_ahead), Z16 beat Y8 at 1-4 rows too
-// (bench/ab_builds.py, Xeon with AMX, 2 threads: a step of the embedded model's q4x8
-// at batch 1 1.04-1.17x faster, at 2 and 4 1.09-1.21x; Q6_K's file 1.14x, Q4_K_M's 1.06x).
-// An earlier Zen 4 EPYC run, made before that prefetch, had Y8 1.2-1.4x faster at 1-4
-// rows with the weights not in cache (faster only when they were in cache, which is what
-// the missing prefetch looked like). Both give the same bits, so this chooses speed only.
+// Which is faster at few rows of x (decode of 1-4 sequences) depends on the CPU, so the
+// AVX-512 variant takes Z16 from `zmm_min_rows` rows of x on (`set_zmm_min_rows`), a lone
+// last group Y8. flare.kernels.register_width measures both on this machine once and sets
+// it: on a Xeon with AMX Z16 won from one row (bench/ab_builds.py, 2 threads: a step of
+// the embedded model's q4x8 at batch 1 1.04-1.17x faster, at 2 and 4 1.09-1.21x), on a
+// Zen 4 EPYC Y8 won at 1-4 rows (a step at batch 1 1.28x, 2 1.18x, 4 1.10x). Both give
+// the same bits, so this chooses speed only. Set before the kernels run, read by each call.
+int64_t zmm_min_rows = 1;
 template <typename V>
 constexpr int64_t tile_rows = std::is_same_v<V, Y8> ? TILE : ZTILE;
 
@@ -716,7 +717,7 @@ inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& gro
 }
 
 // Splits groups g0 .. N / 8 over torch's threads, in pairs, for rows first .. B of x: with
-// Z16 in the AVX-512 variant (a lone last group takes Y8), ZTILE rows of x a Z16 pass and
+// Z16 in the AVX-512 variant from zmm_min_rows rows on (a lone last group takes Y8), ZTILE rows of x a Z16 pass and
 // TILE a Y8 one. `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 +
 // rows of x against group g (and g + 1 with Z16) into acc. The group kernels' only call
 // site: with a second one (the AMX build's), GCC left them out of line, and their
@@ -736,7 +737,7 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group, int64_t first =
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = g0 + W * u;
 #ifdef FLARE_ZMM
-      if (g + 1 < G) {
+      if (g + 1 < G && B - first >= zmm_min_rows) {
         group_rows<Z16, ZTILE>(B, N, out, g, group, first);
         continue;
       }
@@ -1254,4 +1255,14 @@ void flare_register_qdot8(pybind11::module_& m) {
   m.def("quantize_rows_q8", &quantize_rows_q8,
         "(codes int8 [B, K], scales float32 [B, K/32]): x's rows in Q8_0 blocks",
         pybind11::arg("x"));
+  m.def("set_zmm_min_rows", [](int64_t rows) {
+          TORCH_CHECK(rows >= 1, "zmm_min_rows must be >= 1, got ", rows);
+          zmm_min_rows = rows;
+        },
+        "the AVX-512 variant's int8 kernels take two 8-row groups a zmm register from "
+        "this many rows of x on (one group a ymm register below it; the same bits either "
+        "way); other variants ignore it",
+        pybind11::arg("rows"));
+  m.def("zmm_min_rows", [] { return zmm_min_rows; },
+        "the rows of x from which the AVX-512 variant's int8 kernels take zmm registers");
 }

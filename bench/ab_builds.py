@@ -6,7 +6,7 @@ one built on each `.so` (the module's own file, e.g. an older build still in
 ~/.cache/flare/kernels), each decoding `--batch` sequences of the embedded model in
 `q4x8` (`--model`: a dense GGUF in its default format) for `--steps` steps, round after
 round. Prints each build's minimum and median mean step over the rounds. A figure, not
-pass/fail. A build with `set_zmm_min_rows` (AVX-512, from 2026-12) runs with the width
+pass/fail. A build with `set_zmm_min_rows` (4ea88d0 on) runs with the width
 `flare.kernels.register_width` measures for it here, as `flare.kernels.qgemm()` would.
 
     PYTHONPATH=src .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--batch 1]
@@ -78,7 +78,8 @@ def main() -> None:
     runs = []
     for path in args.builds:
         kernels._MODULE = import_extension(path)  # what fused_ops() and the model see from here
-        if hasattr(kernels._MODULE, "set_zmm_min_rows"):  # an AVX-512 build measures its width
+        # builds from 4ea88d0 on have the setting (one that has no zmm path measures a tie)
+        if hasattr(kernels._MODULE, "set_zmm_min_rows"):
             rows = register_width.choose(register_width.measure(kernels._MODULE))
             kernels._MODULE.set_zmm_min_rows(rows)
             print(f"{path.name}: two groups a zmm register from {rows} rows of x on")

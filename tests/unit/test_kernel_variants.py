@@ -126,7 +126,7 @@ def test_each_variant_this_cpu_offers_gives_the_baselines_results(name):
                                                                      (35, True)]
     # the AVX-512 builds: two groups a zmm register from one row on, and one group a ymm
     # register up to 64 rows (what register_width may choose at few rows)
-    widths = [1, 64] if name.startswith("avx512") else [None]
+    widths = [1, 64] if variants.has_two_widths(name) else [None]
     before = module.zmm_min_rows() if widths[0] else None
     try:
         for width in widths:

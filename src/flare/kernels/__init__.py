@@ -340,11 +340,12 @@ def qgemm() -> ModuleType:
     if _PROBLEM is not None:
         raise KernelUnavailable(_PROBLEM)
     try:
-        module = variant_module(isa_variant())
+        variant = isa_variant()
+        module = variant_module(variant)
     except KernelUnavailable as exc:
         _PROBLEM = str(exc)
         raise
-    set_register_width(module, isa_variant())
+    set_register_width(module, variant)
     _MODULE = module
     return _MODULE
 
@@ -354,7 +355,7 @@ def set_register_width(module: ModuleType, variant: str) -> None:
     two 8-row groups a zmm register (`register_width`: measured once per build on this
     machine under the build lock, then read from `<module folder>.width.json`). Builds
     without AVX-512 have one width only and are left alone."""
-    if "-mavx512f" not in variants.variant(variant).cflags:
+    if not variants.has_two_widths(variant):
         return
     final = module_folder(variant)
     with build_lock(final):  # processes starting together measure once, not side by side

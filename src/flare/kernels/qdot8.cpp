@@ -717,11 +717,11 @@ inline void group_rows(int64_t B, int64_t N, float* out, int64_t g, GroupFn& gro
 }
 
 // Splits groups g0 .. N / 8 over torch's threads, in pairs, for rows first .. B of x: with
-// Z16 in the AVX-512 variant from zmm_min_rows rows on (a lone last group takes Y8), ZTILE rows of x a Z16 pass and
-// TILE a Y8 one. `group(V{}, g, b0, rows, acc)` computes rows b0 .. b0 +
-// rows of x against group g (and g + 1 with Z16) into acc. The group kernels' only call
-// site: with a second one (the AMX build's), GCC left them out of line, and their
-// registers went through memory (q8 at 8-16 rows of x ran 0.95x as fast).
+// Z16 in the AVX-512 variant from zmm_min_rows rows on (a lone last group takes Y8),
+// ZTILE rows of x a Z16 pass and TILE a Y8 one. `group(V{}, g, b0, rows, acc)` computes
+// rows b0 .. b0 + rows of x against group g (and g + 1 with Z16) into acc. The group
+// kernels' only call site: with a second one (the AMX build's), GCC left them out of
+// line, and their registers went through memory (q8 at 8-16 rows of x ran 0.95x as fast).
 template <typename GroupFn>
 void for_groups(int64_t B, int64_t N, float* out, GroupFn group, int64_t first = 0,
                 int64_t g0 = 0) {

@@ -72,6 +72,17 @@ def missing_flags(name: str, flags: frozenset[str] | None) -> list[str]:
     return [f for f in need if flags is None or f not in flags]
 
 
+def has_two_widths(name: str) -> bool:
+    """Whether variant `name` is an AVX-512 build, whose int8 kernels can run two 8-row
+    weight groups a zmm register as well as one a ymm register (from how many rows of x:
+    `flare.kernels.register_width`).
+
+    Raises:
+        ValueError: no variant has that name.
+    """
+    return "-mavx512f" in variant(name).cflags
+
+
 def candidates(flags: frozenset[str] | None) -> list[str]:
     """The variants whose flags `flags` lists, best first; the baseline is always last."""
     return [v.name for v in VARIANTS if not missing_flags(v.name, flags)]

@@ -308,7 +308,9 @@ def qgemm() -> ModuleType:
         q4_dequantize_into(codes, scales, mins, out [N, K]) -> None
         q4x8_linear(x [B, K], codes, scales, mins) -> y [B, N]   (qdot8.cpp: int8
         q8x8_linear(x [B, K], codes, scales) -> y [B, N]          activations, weights
-            in the 8-row interleaved layout of `flare.models.quant.interleaved.Q4x8Weight`)
+            in the 8-row interleaved layout of `flare.models.quant.interleaved.Q4x8Weight`;
+            these, the K-quant and q5 linears and cached_attention take `out=` (float32,
+            contiguous, the result's shape), written in place and returned)
         quantize_rows_q8(x [B, K]) -> (codes int8 [B, K], scales [B, K/32])
         dense_pack(w [N, K] float16 or float32) -> panels [ceil(N/16), K, 16]
         f16_linear(x [B, K], panels float16, N, bias [N] | None) -> y [B, N]
@@ -387,8 +389,11 @@ def fused_ops() -> ModuleType | None:
                    slots int64 [T], num_heads, num_kv_heads, qk_norm [H + KVH, D] | None,
                    eps) -> q [T, H, D]  (writes k, v at slots)
         silu_mul(gu [T, 2F]) -> y [T, F]
-        decode_attention(q [H, D], k_cache, v_cache, start, length, scale) -> o [H, D]
-    They raise RuntimeError on a wrong dtype, shape, or an index out of range.
+        decode_attention(q [H, D] or [1, H, D], k_cache, v_cache, start, length, scale)
+            -> o (q's shape)
+    All but rms_norm take `out=` (float32, contiguous, the result's shape): the result
+    written there and returned (the native step reuses its buffers so). They raise
+    RuntimeError on a wrong dtype, shape, or an index out of range.
     """
     if os.environ.get("FLARE_FUSED_OPS", "1").strip() == "0":
         return None

@@ -15,11 +15,13 @@
 //     position lengths[b] - R + r and attends to positions 0 .. lengths[b] - R + r
 //     (causal). Decode is R = 1 (one token per sequence, B sequences); a prefill chunk
 //     is B = 1, R = the chunk's length. Query head h reads KV head h / (H / KVH) (GQA).
-//   decode_attention(q [H, D], k_cache, v_cache, start, length, scale) -> o [H, D]
-//     one decode token over the consecutive slots [start, start + length)
+//   decode_attention(q [H, D] or [1, H, D], k_cache, v_cache, start, length, scale,
+//                    out = None) -> o (q's shape)
+//     one decode token over the consecutive slots [start, start + length); `out`, when
+//     given, is o written in place (layers.cpp's step reuses its buffers)
 //   decode_attention_gather(q [B, H, D], k_cache, v_cache, gather [B, M], lengths [B],
-//                           scale) -> o [B, H, D]
-//     cached_attention with R = 1
+//                           scale, out = None) -> o [B, H, D]
+//     cached_attention with R = 1 (which takes an `out` too)
 //
 // The arithmetic of one row (query q, n keys), the invariant every path keeps:
 //   s_j = tree_sum(lanes of the 8-lane FMA chain q[i..i+8) * k_j[i..i+8) over i) * scale
@@ -524,7 +526,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& gather,
                                const torch::Tensor& lengths, int64_t rows_per_seq,
-                               double scale) {
+                               double scale,
+                               const c10::optional<torch::Tensor>& out = c10::nullopt) {
   check_f32(q, "q", 3);
   check_caches(q, k_cache, v_cache);
   TORCH_CHECK(gather.dim() == 2 && gather.is_contiguous() &&
@@ -543,7 +546,7 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       TORCH_CHECK(gd[b * M + j] >= 0 && gd[b * M + j] < S, "gather[", b, ", ", j, "] = ",
                   gd[b * M + j], " outside the cache [0, ", S, ")");
   }
-  auto o = torch::empty_like(q);
+  auto o = flare_checks::output_f32(out, q.sizes(), q);
   const auto slot_of = [gd, M](int64_t b) {
     const int64_t* rows = gd + b * M;
     return [rows](int64_t j) { return rows[j]; };
@@ -555,21 +558,26 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 torch::Tensor decode_attention_gather(const torch::Tensor& q, const torch::Tensor& k_cache,
                                       const torch::Tensor& v_cache,
                                       const torch::Tensor& gather,
-                                      const torch::Tensor& lengths, double scale) {
-  return cached_attention(q, k_cache, v_cache, gather, lengths, 1, scale);
+                                      const torch::Tensor& lengths, double scale,
+                                      const c10::optional<torch::Tensor>& out = c10::nullopt) {
+  return cached_attention(q, k_cache, v_cache, gather, lengths, 1, scale, out);
 }
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, int64_t start, int64_t length,
-                               double scale) {
-  check_f32(q, "q", 2);
+                               double scale,
+                               const c10::optional<torch::Tensor>& out = c10::nullopt) {
+  const bool rows = q.dim() == 3;  // [1, H, D]: the step's one row, as its rows hold it
+  check_f32(q, "q", rows ? 3 : 2);
+  TORCH_CHECK(!rows || q.size(0) == 1, "a 3-dim q must be [1, H, D], got ", q.sizes());
   check_caches(q, k_cache, v_cache);
   const int64_t S = k_cache.size(0);
   TORCH_CHECK(length > 0 && start >= 0 && start <= S - length,
               "slots [", start, ", ", start + length, ") outside the cache [0, ", S, ")");
-  auto o = torch::empty_like(q);
-  auto q3 = q.view({1, q.size(0), q.size(1)});
-  auto o3 = o.view({1, q.size(0), q.size(1)});
+  auto o = flare_checks::output_f32(out, q.sizes(), q);
+  const int64_t H = q.size(-2), D = q.size(-1);
+  auto q3 = rows ? q : q.view({1, H, D});
+  auto o3 = rows ? o : o.view({1, H, D});
   const int64_t len[1] = {length};
   const auto slot_of = [start](int64_t) { return [start](int64_t j) { return start + j; }; };
   run(q3, k_cache, v_cache, 1, 1, len, slot_of, static_cast<float>(scale), o3);
@@ -582,19 +590,20 @@ namespace flare_ops {  // ops.h
 torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, const torch::Tensor& gather,
                                const torch::Tensor& lengths, int64_t rows_per_seq,
-                               double scale) {
-  return ::cached_attention(q, k_cache, v_cache, gather, lengths, rows_per_seq, scale);
+                               double scale, const c10::optional<torch::Tensor>& out) {
+  return ::cached_attention(q, k_cache, v_cache, gather, lengths, rows_per_seq, scale, out);
 }
 torch::Tensor decode_attention_gather(const torch::Tensor& q, const torch::Tensor& k_cache,
                                       const torch::Tensor& v_cache,
                                       const torch::Tensor& gather,
-                                      const torch::Tensor& lengths, double scale) {
-  return ::decode_attention_gather(q, k_cache, v_cache, gather, lengths, scale);
+                                      const torch::Tensor& lengths, double scale,
+                                      const c10::optional<torch::Tensor>& out) {
+  return ::decode_attention_gather(q, k_cache, v_cache, gather, lengths, scale, out);
 }
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                const torch::Tensor& v_cache, int64_t start, int64_t length,
-                               double scale) {
-  return ::decode_attention(q, k_cache, v_cache, start, length, scale);
+                               double scale, const c10::optional<torch::Tensor>& out) {
+  return ::decode_attention(q, k_cache, v_cache, start, length, scale, out);
 }
 }  // namespace flare_ops
 
@@ -604,14 +613,17 @@ void flare_register_attention(pybind11::module_& m) {
         "row r causal at position lengths[b] - R + r; one fixed-order routine, GQA",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("gather"), pybind11::arg("lengths"), pybind11::arg("rows_per_seq"),
-        pybind11::arg("scale"));
+        pybind11::arg("scale"),
+        pybind11::arg("out") = pybind11::none());
   m.def("decode_attention_gather", &decode_attention_gather,
         "o[B, H, D]: row b = softmax(q[b] K^T * scale) V over cache slots "
         "gather[b, :lengths[b]], GQA (cached_attention with one row per sequence)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("gather"), pybind11::arg("lengths"), pybind11::arg("scale"));
+        pybind11::arg("gather"), pybind11::arg("lengths"), pybind11::arg("scale"),
+        pybind11::arg("out") = pybind11::none());
   m.def("decode_attention", &decode_attention,
         "o[H, D] = softmax(q K^T * scale) V over cache slots [start, start + length), GQA",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
-        pybind11::arg("start"), pybind11::arg("length"), pybind11::arg("scale"));
+        pybind11::arg("start"), pybind11::arg("length"), pybind11::arg("scale"),
+        pybind11::arg("out") = pybind11::none());
 }

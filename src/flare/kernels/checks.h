@@ -26,4 +26,17 @@ inline void check_kv_caches(const torch::Tensor& k_cache, const torch::Tensor& v
               "k_cache and v_cache must have one dtype");
 }
 
+// A kernel's float32 output of shape `sizes`: `out` when the caller gives one (checked, then
+// written in place, so a native caller reuses its buffers step after step), else a new
+// tensor with `like`'s options.
+inline torch::Tensor output_f32(const c10::optional<torch::Tensor>& out,
+                                c10::IntArrayRef sizes, const torch::Tensor& like) {
+  if (!out.has_value()) return torch::empty(sizes, like.options());
+  TORCH_CHECK(out->device().is_cpu() && out->scalar_type() == torch::kFloat32 &&
+                  out->is_contiguous() && out->sizes() == sizes,
+              "out must be a contiguous float32 CPU tensor of shape ", sizes, ", got ",
+              out->sizes());
+  return *out;
+}
+
 }  // namespace flare_checks

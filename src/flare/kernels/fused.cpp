@@ -21,6 +21,10 @@
 //       as torch's .to(torch.float16) does
 //   silu_mul(gu [T, 2F]) -> y [T, F] = silu(gu[:, :F]) * gu[:, F:]
 //
+// add_rms_norm, rope_store and silu_mul take an optional `out` (their result's shape,
+// float32, contiguous), written in place of a new tensor: layers.cpp's step reuses its
+// buffers that way.
+//
 // Attention over the KV cache lives in attention.cpp (one routine for decode and prefill).
 //
 // Rows are split over torch's intra-op pool with at::parallel_for only when there are
@@ -111,14 +115,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& w,
-                           double eps) {
+                           double eps, const c10::optional<torch::Tensor>& out = c10::nullopt) {
   check_f32(x, "x", 2);
   check_f32(r, "r", 2);
   check_f32(w, "w", 1);
   const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(r.size(0) == T && r.size(1) == H, "r must have x's shape [T, H]");
   TORCH_CHECK(w.size(0) == H, "w has ", w.size(0), " elements, x rows ", H);
-  auto y = torch::empty_like(x);
+  auto y = flare_checks::output_f32(out, {T, H}, x);
   float* xd = x.data_ptr<float>();
   const float* rd = r.data_ptr<float>();
   const float* wd = w.data_ptr<float>();
@@ -181,7 +185,8 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
                          const torch::Tensor& sin, const torch::Tensor& positions,
                          torch::Tensor& k_cache, torch::Tensor& v_cache,
                          const torch::Tensor& slots, int64_t H, int64_t KVH,
-                         const c10::optional<torch::Tensor>& qk_norm, double eps) {
+                         const c10::optional<torch::Tensor>& qk_norm, double eps,
+                         const c10::optional<torch::Tensor>& out = c10::nullopt) {
   check_f32(qkv, "qkv", 2);
   check_f32(cos, "cos", 2);
   check_f32(sin, "sin_signed", 2);
@@ -214,7 +219,7 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
     TORCH_CHECK(pd[t] >= 0 && pd[t] < P, "position ", pd[t], " outside the table [0, ", P, ")");
     TORCH_CHECK(sd[t] >= 0 && sd[t] < S, "slot ", sd[t], " outside the cache [0, ", S, ")");
   }
-  auto q = torch::empty({T, H, D}, qkv.options());
+  auto q = flare_checks::output_f32(out, {T, H, D}, qkv);
   const float* xd = qkv.data_ptr<float>();
   const float* cd = cos.data_ptr<float>();
   const float* snd = sin.data_ptr<float>();
@@ -254,11 +259,12 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
   return q;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gu) {
+torch::Tensor silu_mul(const torch::Tensor& gu,
+                       const c10::optional<torch::Tensor>& out = c10::nullopt) {
   check_f32(gu, "gu", 2);
   const int64_t T = gu.size(0), F2 = gu.size(1), F = F2 / 2;
   TORCH_CHECK(F2 % 2 == 0, "gu must have an even number of columns, got ", F2);
-  auto y = torch::empty({T, F}, gu.options());
+  auto y = flare_checks::output_f32(out, {T, F}, gu);
   const float* g = gu.data_ptr<float>();
   float* yd = y.data_ptr<float>();
   for_rows(T, 8, [&](int64_t t0, int64_t t1) {
@@ -287,32 +293,37 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return ::rms_norm(x, w, eps);
 }
 torch::Tensor add_rms_norm(torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& w,
-                           double eps) {
-  return ::add_rms_norm(x, r, w, eps);
+                           double eps, const c10::optional<torch::Tensor>& out) {
+  return ::add_rms_norm(x, r, w, eps, out);
 }
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos,
                          const torch::Tensor& sin, const torch::Tensor& positions,
                          torch::Tensor& k_cache, torch::Tensor& v_cache,
                          const torch::Tensor& slots, int64_t H, int64_t KVH,
-                         const c10::optional<torch::Tensor>& qk_norm, double eps) {
+                         const c10::optional<torch::Tensor>& qk_norm, double eps,
+                         const c10::optional<torch::Tensor>& out) {
   return ::rope_store(qkv, cos, sin, positions, k_cache, v_cache, slots, H, KVH, qk_norm,
-                      eps);
+                      eps, out);
 }
-torch::Tensor silu_mul(const torch::Tensor& gu) { return ::silu_mul(gu); }
+torch::Tensor silu_mul(const torch::Tensor& gu, const c10::optional<torch::Tensor>& out) {
+  return ::silu_mul(gu, out);
+}
 }  // namespace flare_ops
 
 void flare_register_fused(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "y[T, H] = w * (x * rsqrt(mean(x^2) + eps)), float32",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "x += r in place; returns rms_norm(x, w, eps)",
-        pybind11::arg("x"), pybind11::arg("r"), pybind11::arg("w"), pybind11::arg("eps"));
+        pybind11::arg("x"), pybind11::arg("r"), pybind11::arg("w"), pybind11::arg("eps"),
+        pybind11::arg("out") = pybind11::none());
   m.def("rope_store", &rope_store,
         "optional q/k head norm, RoPE of q and k, k and v written to the cache at slots; "
         "returns q [T, H, D]",
         pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin_signed"),
         pybind11::arg("positions"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
         pybind11::arg("slots"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
-        pybind11::arg("qk_norm") = pybind11::none(), pybind11::arg("eps") = 1e-6);
+        pybind11::arg("qk_norm") = pybind11::none(), pybind11::arg("eps") = 1e-6,
+        pybind11::arg("out") = pybind11::none());
   m.def("silu_mul", &silu_mul, "y[T, F] = silu(gu[:, :F]) * gu[:, F:], float32",
-        pybind11::arg("gu"));
+        pybind11::arg("gu"), pybind11::arg("out") = pybind11::none());
 }

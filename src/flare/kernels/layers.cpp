@@ -33,6 +33,11 @@
 //     forward, then the lm_head on rows logit_rows (N indices into T, in that order), as
 //     LlamaModel.logits(hidden[rows]) computes them: the same kernel on the same rows.
 //
+// Buffers: forward allocates the step's activations once (one tensor each: norm output,
+// qkv, q, attention output, o_proj, gate_up, SiLU product, down) and every layer's
+// kernels write them in place (their `out` arguments, ops.h); a layer whose widths differ
+// from layer 0's gets new tensors instead.
+//
 // Threads: each kernel splits its own work with at::parallel_for (one OpenMP region per
 // kernel that asks for one, as on the Python path; decode's small ops stay on the calling
 // thread). The GIL is released for the whole step.
@@ -85,20 +90,23 @@ LinearSpec parse_linear(const py::handle& obj) {
   return s;
 }
 
-// y = x W^T (+ b), as Linear.__call__ runs this weight (x contiguous)
-torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x) {
+// y = x W^T (+ b), as Linear.__call__ runs this weight (x contiguous). The int8 kinds
+// write y into `out` [B, N] when given; the others (float panels, stacked parts) return
+// a new tensor, so the caller uses what this returns.
+torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
+                     const c10::optional<torch::Tensor>& out = c10::nullopt) {
   const auto& t = s.t;
   torch::Tensor y;
   switch (s.kind) {
     case Kind::F16: return flare_ops::f16_linear(x, t[0], s.n, s.bias);
     case Kind::F32: return flare_ops::f32_linear(x, t[0], s.n, s.bias);
-    case Kind::Q4X8: y = flare_ops::q4x8_linear(x, t[0], t[1], t[2]); break;
-    case Kind::Q8X8: y = flare_ops::q8x8_linear(x, t[0], t[1]); break;
-    case Kind::Q4KX8: y = flare_ops::q4kx8_linear(x, t[0], t[1], t[2], t[3], t[4]); break;
-    case Kind::Q6KX8: y = flare_ops::q6kx8_linear(x, t[0], t[1], t[2]); break;
-    case Kind::Q5X8: y = flare_ops::q5x8_linear(x, t[0], t[1], t[2], t[3]); break;
+    case Kind::Q4X8: y = flare_ops::q4x8_linear(x, t[0], t[1], t[2], out); break;
+    case Kind::Q8X8: y = flare_ops::q8x8_linear(x, t[0], t[1], out); break;
+    case Kind::Q4KX8: y = flare_ops::q4kx8_linear(x, t[0], t[1], t[2], t[3], t[4], out); break;
+    case Kind::Q6KX8: y = flare_ops::q6kx8_linear(x, t[0], t[1], t[2], out); break;
+    case Kind::Q5X8: y = flare_ops::q5x8_linear(x, t[0], t[1], t[2], t[3], out); break;
     case Kind::Q5KX8:
-      y = flare_ops::q5kx8_linear(x, t[0], t[1], t[2], t[3], t[4], t[5]);
+      y = flare_ops::q5kx8_linear(x, t[0], t[1], t[2], t[3], t[4], t[5], out);
       break;
     case Kind::STACKED: {
       std::vector<torch::Tensor> ys;
@@ -172,39 +180,67 @@ class DenseLayers {
     const size_t groups = (decode_kind != 0 ? 1 : 0) + chunk_starts.size();
     TORCH_CHECK(groups > 0, "a step needs a decode group or a prefill chunk");
 
+    // The step's activations: one buffer each, allocated here and reused by every layer
+    // (the kernels write them in place), not a fresh tensor per kernel call per layer,
+    // whose allocation and dispatch were a visible share of a batch-1 step's serial work.
+    // y: the norm outputs; o2: attention's output as o_proj reads it, o its [T, H, D] view.
     torch::Tensor y = flare_ops::rms_norm(x, layers_[0].input_norm, eps_);
+    const int64_t hidden = x.size(1);
+    const Layer& l0 = layers_[0];
+    const auto buffer = [&](int64_t cols) { return torch::empty({T, cols}, x.options()); };
+    const torch::Tensor qkv_buf = buffer(l0.qkv.n), q_buf = buffer(H_ * D).view({T, H_, D});
+    const torch::Tensor o2 = buffer(H_ * D), o_buf = o2.view({T, H_, D});
+    const torch::Tensor proj_buf = buffer(hidden), gu_buf = buffer(l0.gate_up.n);
+    const torch::Tensor act_buf = buffer(l0.gate_up.n / 2), m_buf = buffer(hidden);
+    // a layer whose linear has other widths than layer 0's gets new tensors instead
+    const auto fits = [](const torch::Tensor& buf, int64_t cols) {
+      return buf.size(1) == cols ? c10::optional<torch::Tensor>(buf) : c10::nullopt;
+    };
+    // one group holding every row: its attention writes o_buf directly
+    const bool one_decode = groups == 1 && decode_kind == 1 && T == 1;
+    const bool one_gather = groups == 1 && decode_kind == 2 && decode_rows == T;
+    const bool one_chunk = groups == 1 && decode_kind == 0 && chunk_lens[0] == T;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
       torch::Tensor kc = k.select(0, i), vc = v.select(0, i);
-      const auto qkv = linear(l.qkv, y).contiguous();  // [T, (H + 2 KVH) * D]
+      // [T, (H + 2 KVH) * D]
+      const auto qkv = linear(l.qkv, y, fits(qkv_buf, l.qkv.n)).contiguous();
       const auto q = flare_ops::rope_store(qkv, cos_, sin_, positions, kc, vc, slots, H_,
-                                           KVH_, l.qk_norm, eps_);  // [T, H, D]
-      // paged_attention with the fused ops: one kernel call per group
-      torch::Tensor o, out;
-      if (groups > 1) out = torch::empty_like(q);
-      if (decode_kind != 0) {
+                                           KVH_, l.qk_norm, eps_, q_buf);  // [T, H, D]
+      // paged_attention with the fused ops: one kernel call per group, each writing its
+      // rows of o_buf (a lone group straight; with several, through a copy)
+      if (one_decode) {
+        flare_ops::decode_attention(q, kc, vc, decode_span, decode_len, scale_, o_buf);
+      } else if (one_gather) {
+        flare_ops::decode_attention_gather(q, kc, vc, *decode_gather, *decode_lengths, scale_,
+                                           o_buf);
+      } else if (one_chunk) {
+        flare_ops::cached_attention(q, kc, vc, chunk_gathers[0], chunk_ctx[0], chunk_lens[0],
+                                    scale_, o_buf);
+      } else {
+        torch::Tensor o;
         if (decode_kind == 1)
           o = flare_ops::decode_attention(q[0].contiguous(), kc, vc, decode_span, decode_len,
                                           scale_).unsqueeze(0);
-        else
+        else if (decode_kind == 2)
           o = flare_ops::decode_attention_gather(q.slice(0, 0, decode_rows).contiguous(), kc,
                                                  vc, *decode_gather, *decode_lengths,
                                                  scale_);
-        if (groups > 1) out.slice(0, 0, decode_rows).copy_(o);
+        if (decode_kind != 0) o_buf.slice(0, 0, decode_rows).copy_(o);
+        for (size_t c = 0; c < chunk_starts.size(); ++c) {
+          const int64_t s = chunk_starts[c], t = chunk_lens[c];
+          o = flare_ops::cached_attention(q.slice(0, s, s + t).contiguous(), kc, vc,
+                                          chunk_gathers[c], chunk_ctx[c], t, scale_);
+          o_buf.slice(0, s, s + t).copy_(o);
+        }
       }
-      for (size_t c = 0; c < chunk_starts.size(); ++c) {
-        const int64_t s = chunk_starts[c], t = chunk_lens[c];
-        o = flare_ops::cached_attention(q.slice(0, s, s + t).contiguous(), kc, vc,
-                                        chunk_gathers[c], chunk_ctx[c], t, scale_);
-        if (groups > 1) out.slice(0, s, s + t).copy_(o);
-      }
-      if (groups > 1) o = out;
-      y = flare_ops::add_rms_norm(x, linear(l.o_proj, o.reshape({T, H_ * D})).contiguous(),
-                                  l.post_norm, eps_);
-      const auto m = linear(l.down, flare_ops::silu_mul(linear(l.gate_up, y).contiguous()))
-                         .contiguous();
+      const auto proj = linear(l.o_proj, o2, fits(proj_buf, l.o_proj.n)).contiguous();
+      y = flare_ops::add_rms_norm(x, proj, l.post_norm, eps_, y);
+      const auto gu = linear(l.gate_up, y, fits(gu_buf, l.gate_up.n)).contiguous();
+      const auto act = flare_ops::silu_mul(gu, fits(act_buf, gu.size(1) / 2));
+      const auto m = linear(l.down, act, fits(m_buf, l.down.n)).contiguous();
       const auto& nxt = i + 1 < L ? layers_[i + 1].input_norm : final_norm_;
-      y = flare_ops::add_rms_norm(x, m, nxt, eps_);  // x += m; the next norm's output
+      y = flare_ops::add_rms_norm(x, m, nxt, eps_, y);  // x += m; the next norm's output
     }
     return y;
   }

@@ -69,6 +69,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "checks.h"
 #include "ops.h"
 #include "qrows.h"
 
@@ -172,20 +173,31 @@ constexpr bool kBiasedSignedX = false;
 #endif
 
 // Activations quantized once per call, shared by every output row (`biased`: codes stored
-// as q + 128, see quantize_rows).
+// as q + 128, see quantize_rows): q int8 [B, K], d (and with `sums`, s) float32 [B, K/32].
+// The arrays are the calling thread's, kept from call to call and grown as needed: a
+// decode step quantizes x ~120 times, and three fresh zeroed vectors each time were part
+// of a batch-1 step's serial work. So at most one QuantizedRows a thread is alive at a
+// time (each linear below makes one and calls no other linear).
 struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
+  int8_t* q;
+  float* d;
+  float* s;
   QuantizedRows(const torch::Tensor& x, bool sums, bool biased = false) {
-    const int64_t B = x.size(0), K = x.size(1);
-    q.resize(B * K);
-    d.resize(B * K / QK);
-    if (sums) s.resize(B * K / QK);
+    const int64_t B = x.size(0), K = x.size(1), nb = K / QK;
+    thread_local std::vector<int8_t> q_buf;
+    thread_local std::vector<float> d_buf, s_buf;
+    if (static_cast<int64_t>(q_buf.size()) < B * K) q_buf.resize(B * K);
+    if (static_cast<int64_t>(d_buf.size()) < B * nb) d_buf.resize(B * nb);
+    if (sums && static_cast<int64_t>(s_buf.size()) < B * nb) s_buf.resize(B * nb);
+    q = q_buf.data();
+    d = d_buf.data();
+    s = sums ? s_buf.data() : nullptr;
     const float* xd = x.data_ptr<float>();
-    const int64_t nb = K / QK;
+    int8_t* qd = q;
+    float *dd = d, *sd = s;
     at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // prompts: many rows
-      quantize_rows(xd + b0 * K, b1 - b0, K, q.data() + b0 * K, d.data() + b0 * nb,
-                    sums ? s.data() + b0 * nb : nullptr, biased);
+      quantize_rows(xd + b0 * K, b1 - b0, K, qd + b0 * K, dd + b0 * nb,
+                    sd ? sd + b0 * nb : nullptr, biased);
     });
   }
 };
@@ -964,7 +976,8 @@ void check_packed(const torch::Tensor& x, const torch::Tensor& codes,
 }
 
 torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales, const torch::Tensor& mins) {
+                          const torch::Tensor& scales, const torch::Tensor& mins,
+                          const c10::optional<torch::Tensor>& out = c10::nullopt) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
               "q4 codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
@@ -972,7 +985,7 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   // Q4_0 holds no mins ([N, 0]): each is -8 times its scale
   const bool derived = mins.dim() == 2 && mins.size(1) == 0;
   check_part(mins, "q4 mins", torch::kHalf, N, derived ? 0 : K / QK);
-  auto y = torch::empty({B, N}, x.options());
+  auto y = flare_checks::output_f32(out, {B, N}, x);
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
@@ -984,23 +997,24 @@ torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
       using V = decltype(lanes);
       FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                            (q4_group<V, R>(c + g * nb * 128, nb * 128, scales_of(g),
-                                           xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
-                                           xr.s.data() + b0 * nb, K, acc)));
-    }, xr.q.data(), K, [&](int64_t g) {
+                                           xr.q + b0 * K, xr.d + b0 * nb,
+                                           xr.s + b0 * nb, K, acc)));
+    }, xr.q, K, [&](int64_t g) {
       return Q4Tiles<decltype(scales_of(g))>{c + g * nb * 128, nb * 128, scales_of(g),
-                                             xr.d.data(), xr.s.data(), nb};
+                                             xr.d, xr.s, nb};
     });
   });
   return y;
 }
 
 torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales) {
+                          const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& out = c10::nullopt) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8,
               "q8 codes must be int8 [N, K]");
   const int64_t N = codes.size(0), K = codes.size(1), B = x.size(0);
   check_packed(x, codes, scales, K);
-  auto y = torch::empty({B, N}, x.options());
+  auto y = flare_checks::output_f32(out, {B, N}, x);
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, false, kBiasedSignedX);
@@ -1011,10 +1025,10 @@ torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
     using V = decltype(lanes);
     FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q8_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 8,
-                                         nb * 8, xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
+                                         nb * 8, xr.q + b0 * K, xr.d + b0 * nb,
                                          K, acc)));
-  }, xr.q.data(), K, [&](int64_t g) {
-    return Q8Tiles{c + g * nb * 256, nb * 256, sc + g * nb * 8, nb * 8, xr.d.data(), nb};
+  }, xr.q, K, [&](int64_t g) {
+    return Q8Tiles{c + g * nb * 256, nb * 256, sc + g * nb * 8, nb * 8, xr.d, nb};
   });
   return y;
 }
@@ -1042,13 +1056,14 @@ void check_kscales(const torch::Tensor& scales, const torch::Tensor& mins,
 
 torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& scales, const torch::Tensor& mins,
-                           const torch::Tensor& d, const torch::Tensor& dmin) {
+                           const torch::Tensor& d, const torch::Tensor& dmin,
+                           const c10::optional<torch::Tensor>& out = c10::nullopt) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
               "q4k codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_k(x, codes, K);
   check_kscales(scales, mins, d, dmin, N, K, "q4k");
-  auto y = torch::empty({B, N}, x.options());
+  auto y = flare_checks::output_f32(out, {B, N}, x);
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
@@ -1066,25 +1081,26 @@ torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
     using V = decltype(lanes);
     const Q4KScales gs = kscales(g);
     FLARE_DISPATCH_GTILE(rows, tile_rows<V>, (q4_group<V, R>(c + g * nb * 128, nb * 128, gs,
-                                            xr.q.data() + b0 * K,
-                                            xr.d.data() + b0 * nb, xr.s.data() + b0 * nb, K,
+                                            xr.q + b0 * K,
+                                            xr.d + b0 * nb, xr.s + b0 * nb, K,
                                             acc)));
-  }, xr.q.data(), K, [&](int64_t g) {
-    return Q4Tiles<Q4KScales>{c + g * nb * 128, nb * 128, kscales(g), xr.d.data(),
-                              xr.s.data(), nb};
+  }, xr.q, K, [&](int64_t g) {
+    return Q4Tiles<Q4KScales>{c + g * nb * 128, nb * 128, kscales(g), xr.d,
+                              xr.s, nb};
   });
   return y;
 }
 
 torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const torch::Tensor& d) {
+                           const torch::Tensor& scales, const torch::Tensor& d,
+                           const c10::optional<torch::Tensor>& out = c10::nullopt) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8,
               "q6k codes must be int8 [N, K]");
   const int64_t N = codes.size(0), K = codes.size(1), B = x.size(0);
   check_k(x, codes, K);
   check_part(scales, "q6k scales", torch::kInt8, N, K / 16);
   check_part(d, "q6k d", torch::kHalf, N, K / 256);
-  auto y = torch::empty({B, N}, x.options());
+  auto y = flare_checks::output_f32(out, {B, N}, x);
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, false, kBiasedSignedX);
@@ -1097,7 +1113,7 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
     FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q6k_group<V, R>(c + g * nb * 256, nb * 256, sc + g * nb * 16,
                                                 nb * 16, pd + g * nb, nb,
-                                             xr.q.data() + b0 * K, xr.d.data() + b0 * nb, K,
+                                             xr.q + b0 * K, xr.d + b0 * nb, K,
                                              acc)));
   });
   return y;
@@ -1105,7 +1121,8 @@ torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
 
 torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                           const torch::Tensor& high, const torch::Tensor& scales,
-                          const torch::Tensor& mins) {
+                          const torch::Tensor& mins,
+                          const c10::optional<torch::Tensor>& out = c10::nullopt) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
               "q5 codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
@@ -1114,7 +1131,7 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
   // Q5_0 holds no mins ([N, 0]): each is -16 times its scale
   const bool derived = mins.dim() == 2 && mins.size(1) == 0;
   check_part(mins, "q5 mins", torch::kHalf, N, derived ? 0 : K / QK);
-  auto y = torch::empty({B, N}, x.options());
+  auto y = flare_checks::output_f32(out, {B, N}, x);
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
@@ -1127,12 +1144,12 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
       using V = decltype(lanes);
       FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                            (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
-                                           nb * 32, scales_of(g), xr.q.data() + b0 * K,
-                                           xr.d.data() + b0 * nb, xr.s.data() + b0 * nb,
+                                           nb * 32, scales_of(g), xr.q + b0 * K,
+                                           xr.d + b0 * nb, xr.s + b0 * nb,
                                            K, acc)));
-    }, xr.q.data(), K, [&](int64_t g) {
+    }, xr.q, K, [&](int64_t g) {
       using S = decltype(scales_of(g));
-      return Q5Tiles<S>{{c + g * nb * 128, nb * 128, scales_of(g), xr.d.data(), xr.s.data(),
+      return Q5Tiles<S>{{c + g * nb * 128, nb * 128, scales_of(g), xr.d, xr.s,
                          nb}, h + g * nb * 32, nb * 32};
     });
   });
@@ -1142,14 +1159,15 @@ torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
 torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& high, const torch::Tensor& scales,
                            const torch::Tensor& mins, const torch::Tensor& d,
-                           const torch::Tensor& dmin) {
+                           const torch::Tensor& dmin,
+                           const c10::optional<torch::Tensor>& out = c10::nullopt) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kUInt8,
               "q5k codes must be uint8 [N, K/2]");
   const int64_t N = codes.size(0), K = codes.size(1) * 2, B = x.size(0);
   check_k(x, codes, K);
   check_part(high, "q5k high bits", torch::kUInt8, N, K / 8);
   check_kscales(scales, mins, d, dmin, N, K, "q5k");
-  auto y = torch::empty({B, N}, x.options());
+  auto y = flare_checks::output_f32(out, {B, N}, x);
   if (B == 0 || N == 0) return y;
   const int64_t nb = K / QK;
   const QuantizedRows xr(x, true);
@@ -1170,11 +1188,11 @@ torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
     FLARE_DISPATCH_GTILE(rows, tile_rows<V>,
                          (q5_group<V, R>(c + g * nb * 128, nb * 128, h + g * nb * 32,
                                                nb * 32, gs,
-                                            xr.q.data() + b0 * K, xr.d.data() + b0 * nb,
-                                            xr.s.data() + b0 * nb, K, acc)));
-  }, xr.q.data(), K, [&](int64_t g) {
-    return Q5Tiles<Q4KScales>{{c + g * nb * 128, nb * 128, kscales(g), xr.d.data(),
-                               xr.s.data(), nb},
+                                            xr.q + b0 * K, xr.d + b0 * nb,
+                                            xr.s + b0 * nb, K, acc)));
+  }, xr.q, K, [&](int64_t g) {
+    return Q5Tiles<Q4KScales>{{c + g * nb * 128, nb * 128, kscales(g), xr.d,
+                               xr.s, nb},
                               h + g * nb * 32, nb * 32};
   });
   return y;
@@ -1196,32 +1214,38 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows_q8(const torch::Tensor& x
 
 namespace flare_ops {  // ops.h
 torch::Tensor q4x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales, const torch::Tensor& mins) {
-  return ::q4x8_linear(x, codes, scales, mins);
+                          const torch::Tensor& scales, const torch::Tensor& mins,
+                          const c10::optional<torch::Tensor>& out) {
+  return ::q4x8_linear(x, codes, scales, mins, out);
 }
 torch::Tensor q8x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                          const torch::Tensor& scales) {
-  return ::q8x8_linear(x, codes, scales);
+                          const torch::Tensor& scales,
+                          const c10::optional<torch::Tensor>& out) {
+  return ::q8x8_linear(x, codes, scales, out);
 }
 torch::Tensor q4kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& scales, const torch::Tensor& mins,
-                           const torch::Tensor& d, const torch::Tensor& dmin) {
-  return ::q4kx8_linear(x, codes, scales, mins, d, dmin);
+                           const torch::Tensor& d, const torch::Tensor& dmin,
+                           const c10::optional<torch::Tensor>& out) {
+  return ::q4kx8_linear(x, codes, scales, mins, d, dmin, out);
 }
 torch::Tensor q6kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const torch::Tensor& d) {
-  return ::q6kx8_linear(x, codes, scales, d);
+                           const torch::Tensor& scales, const torch::Tensor& d,
+                           const c10::optional<torch::Tensor>& out) {
+  return ::q6kx8_linear(x, codes, scales, d, out);
 }
 torch::Tensor q5x8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                           const torch::Tensor& high, const torch::Tensor& scales,
-                          const torch::Tensor& mins) {
-  return ::q5x8_linear(x, codes, high, scales, mins);
+                          const torch::Tensor& mins,
+                          const c10::optional<torch::Tensor>& out) {
+  return ::q5x8_linear(x, codes, high, scales, mins, out);
 }
 torch::Tensor q5kx8_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& high, const torch::Tensor& scales,
                            const torch::Tensor& mins, const torch::Tensor& d,
-                           const torch::Tensor& dmin) {
-  return ::q5kx8_linear(x, codes, high, scales, mins, d, dmin);
+                           const torch::Tensor& dmin,
+                           const c10::optional<torch::Tensor>& out) {
+  return ::q5kx8_linear(x, codes, high, scales, mins, d, dmin, out);
 }
 }  // namespace flare_ops
 
@@ -1230,28 +1254,34 @@ void flare_register_qdot8(pybind11::module_& m) {
         "y[B, N] = x[B, K] @ dequant_q4(W)^T with x quantized to int8 blocks, float32; "
         "mins [N, 0] (Q4_0): each block's min is -8 x its scale",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
-        pybind11::arg("mins"));
+        pybind11::arg("mins"),
+        pybind11::arg("out") = pybind11::none());
   m.def("q8x8_linear", &q8x8_linear,
         "y[B, N] = x[B, K] @ dequant_q8(W)^T with x quantized to int8 blocks, float32",
-        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"));
+        pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
+        pybind11::arg("out") = pybind11::none());
   m.def("q4kx8_linear", &q4kx8_linear,
         "y[B, N] = x[B, K] @ dequant_q4_k(W)^T with x quantized to int8 blocks, float32",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
-        pybind11::arg("mins"), pybind11::arg("d"), pybind11::arg("dmin"));
+        pybind11::arg("mins"), pybind11::arg("d"), pybind11::arg("dmin"),
+        pybind11::arg("out") = pybind11::none());
   m.def("q6kx8_linear", &q6kx8_linear,
         "y[B, N] = x[B, K] @ dequant_q6_k(W)^T with x quantized to int8 blocks, float32",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("scales"),
-        pybind11::arg("d"));
+        pybind11::arg("d"),
+        pybind11::arg("out") = pybind11::none());
   m.def("q5x8_linear", &q5x8_linear,
         "y[B, N] = x[B, K] @ dequant_q5(W)^T (Q5_0, Q5_1) with x quantized to int8 blocks; "
         "mins [N, 0] (Q5_0): each block's min is -16 x its scale",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("high"),
-        pybind11::arg("scales"), pybind11::arg("mins"));
+        pybind11::arg("scales"), pybind11::arg("mins"),
+        pybind11::arg("out") = pybind11::none());
   m.def("q5kx8_linear", &q5kx8_linear,
         "y[B, N] = x[B, K] @ dequant_q5_k(W)^T with x quantized to int8 blocks, float32",
         pybind11::arg("x"), pybind11::arg("codes"), pybind11::arg("high"),
         pybind11::arg("scales"), pybind11::arg("mins"), pybind11::arg("d"),
-        pybind11::arg("dmin"));
+        pybind11::arg("dmin"),
+        pybind11::arg("out") = pybind11::none());
   m.def("quantize_rows_q8", &quantize_rows_q8,
         "(codes int8 [B, K], scales float32 [B, K/32]): x's rows in Q8_0 blocks",
         pybind11::arg("x"));

@@ -196,10 +196,11 @@ class DenseLayers {
     const auto fits = [](const torch::Tensor& buf, int64_t cols) {
       return buf.size(1) == cols ? c10::optional<torch::Tensor>(buf) : c10::nullopt;
     };
-    // one group holding every row: its attention writes o_buf directly
-    const bool one_decode = groups == 1 && decode_kind == 1 && T == 1;
-    const bool one_gather = groups == 1 && decode_kind == 2 && decode_rows == T;
-    const bool one_chunk = groups == 1 && decode_kind == 0 && chunk_lens[0] == T;
+    // rows [s, s + n) of a step buffer, in place (the whole buffer, with no view op, when
+    // they are all of its rows: the usual step of one group)
+    const auto rows = [T](const torch::Tensor& t, int64_t s, int64_t n) {
+      return s == 0 && n == T ? t : t.slice(0, s, s + n);
+    };
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
       torch::Tensor kc = k.select(0, i), vc = v.select(0, i);
@@ -208,31 +209,17 @@ class DenseLayers {
       const auto q = flare_ops::rope_store(qkv, cos_, sin_, positions, kc, vc, slots, H_,
                                            KVH_, l.qk_norm, eps_, q_buf);  // [T, H, D]
       // paged_attention with the fused ops: one kernel call per group, each writing its
-      // rows of o_buf (a lone group straight; with several, through a copy)
-      if (one_decode) {
-        flare_ops::decode_attention(q, kc, vc, decode_span, decode_len, scale_, o_buf);
-      } else if (one_gather) {
-        flare_ops::decode_attention_gather(q, kc, vc, *decode_gather, *decode_lengths, scale_,
-                                           o_buf);
-      } else if (one_chunk) {
-        flare_ops::cached_attention(q, kc, vc, chunk_gathers[0], chunk_ctx[0], chunk_lens[0],
-                                    scale_, o_buf);
-      } else {
-        torch::Tensor o;
-        if (decode_kind == 1)
-          o = flare_ops::decode_attention(q[0].contiguous(), kc, vc, decode_span, decode_len,
-                                          scale_).unsqueeze(0);
-        else if (decode_kind == 2)
-          o = flare_ops::decode_attention_gather(q.slice(0, 0, decode_rows).contiguous(), kc,
-                                                 vc, *decode_gather, *decode_lengths,
-                                                 scale_);
-        if (decode_kind != 0) o_buf.slice(0, 0, decode_rows).copy_(o);
-        for (size_t c = 0; c < chunk_starts.size(); ++c) {
-          const int64_t s = chunk_starts[c], t = chunk_lens[c];
-          o = flare_ops::cached_attention(q.slice(0, s, s + t).contiguous(), kc, vc,
-                                          chunk_gathers[c], chunk_ctx[c], t, scale_);
-          o_buf.slice(0, s, s + t).copy_(o);
-        }
+      // rows of o_buf in place
+      if (decode_kind == 1)
+        flare_ops::decode_attention(rows(q, 0, 1), kc, vc, decode_span, decode_len, scale_,
+                                    rows(o_buf, 0, 1));
+      else if (decode_kind == 2)
+        flare_ops::decode_attention_gather(rows(q, 0, decode_rows), kc, vc, *decode_gather,
+                                           *decode_lengths, scale_, rows(o_buf, 0, decode_rows));
+      for (size_t c = 0; c < chunk_starts.size(); ++c) {
+        const int64_t s = chunk_starts[c], t = chunk_lens[c];
+        flare_ops::cached_attention(rows(q, s, t), kc, vc, chunk_gathers[c], chunk_ctx[c], t,
+                                    scale_, rows(o_buf, s, t));
       }
       const auto proj = linear(l.o_proj, o2, fits(proj_buf, l.o_proj.n)).contiguous();
       y = flare_ops::add_rms_norm(x, proj, l.post_norm, eps_, y);

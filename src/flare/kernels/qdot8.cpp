@@ -193,11 +193,9 @@ struct QuantizedRows {
     d = d_buf.data();
     s = sums ? s_buf.data() : nullptr;
     const float* xd = x.data_ptr<float>();
-    int8_t* qd = q;
-    float *dd = d, *sd = s;
     at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // prompts: many rows
-      quantize_rows(xd + b0 * K, b1 - b0, K, qd + b0 * K, dd + b0 * nb,
-                    sd ? sd + b0 * nb : nullptr, biased);
+      quantize_rows(xd + b0 * K, b1 - b0, K, q + b0 * K, d + b0 * nb,
+                    s ? s + b0 * nb : nullptr, biased);
     });
   }
 };

@@ -15,7 +15,7 @@ the embedded model's (SmolLM2-135M: 9 query heads, 3 KV heads, head size 64). A 
 not pass/fail.
 
     PYTHONPATH=src .venv/bin/python bench/bench_attention.py [--threads 2]
-        [--contexts 512,2048,4096] [--chunk 128] [--streams 8]
+        [--contexts 512,2048,4096] [--chunk 128] [--streams 8] [--kv-dtype float16]
 """
 
 from __future__ import annotations
@@ -53,15 +53,16 @@ def _paged_gather(batch: int, length: int, num_slots: int, gen: torch.Generator
 
 
 def time_attention(rows: int, context: int, batch: int, heads: int, kv_heads: int,
-                   head_dim: int) -> float:
+                   head_dim: int, kv_dtype: torch.dtype = torch.float32) -> float:
     """Seconds of one `cached_attention` call at its best: `batch` sequences of `rows` new
-    rows each after `context` cached tokens (torch's current threads)."""
+    rows each after `context` cached tokens (torch's current threads), the cache in
+    `kv_dtype` (float32 or float16, as a plan's kv_dtype)."""
     ops = fused_ops()
     gen = torch.Generator().manual_seed(0)
     length = context + rows
     num_slots = (batch * -(-length // PAGE) + 1) * PAGE
-    k = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
-    v = torch.randn(num_slots, kv_heads, head_dim, generator=gen)
+    k = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(kv_dtype)
     q = torch.randn(batch * rows, heads, head_dim, generator=gen)
     gather = _paged_gather(batch, length, num_slots, gen)
     lengths = torch.full((batch,), length, dtype=torch.int64)
@@ -79,9 +80,12 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--kv-dtype", choices=("float32", "float16"), default="float16",
+                    help="the cache's dtype (float16: the int8 formats' default)")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     shape = (args.heads, args.kv_heads, args.head_dim)
+    kv_dtype = getattr(torch, args.kv_dtype)
     for threads in sorted({1, args.threads}):
         peak = at_threads(threads, fp32_peak_gflops)
         print(f"{threads} thread(s): fp32 peak (torch.mm) {peak:.1f} GFLOP/s")
@@ -90,11 +94,15 @@ def main() -> None:
                       args.streams))
         for label, rows, context, batch in cases:
             seconds = at_threads(threads, functools.partial(time_attention, rows, context,
-                                                            batch, *shape))
+                                                            batch, *shape, kv_dtype))
             gflops = batch * attention_flops(rows, context, args.heads, args.head_dim) / 1e9
             rate = gflops / seconds
-            print(f"  {label}: {seconds * 1e3:.2f} ms a layer, {rate:.1f} GFLOP/s "
-                  f"({rate / peak:.0%} of the fp32 peak)")
+            # K and V of every cached key, read once a call: what bounds a decode step
+            kv_bytes = (2 * batch * (context + rows) * args.kv_heads * args.head_dim
+                        * kv_dtype.itemsize)
+            print(f"  {label}: {seconds * 1e3:.3f} ms a layer, {rate:.1f} GFLOP/s "
+                  f"({rate / peak:.0%} of the fp32 peak), K/V read at "
+                  f"{kv_bytes / seconds / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

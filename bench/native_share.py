@@ -28,6 +28,7 @@ from flare.loading.embedded import embedded_model_path
 from flare.models.quant.formats import default_kv_dtype
 from flare.models.quant.storage import convert_tensors
 from flare.package.plan import make_plan
+from flare.runtime.boot import freeze_startup_objects
 from flare.runtime.engine import Engine
 from flare.runtime.request import GenerationRequest, SamplingParams
 
@@ -99,6 +100,7 @@ def main() -> None:
     if engine.model.native is None:
         raise SystemExit("no native call for this model (is FLARE_NATIVE_LAYERS=0 set?)")
     timed = engine.model.native = TimedNative(engine.model.native)
+    freeze_startup_objects()  # as `flare serve` does: no full collection walks the model
     prompt = list(range(100, 100 + args.prompt))
     decode_steps(engine, timed, prompt, 8, args.batch)  # warm-up
     print(f"threads {args.threads}, {args.steps} decode steps of {args.batch} sequences "

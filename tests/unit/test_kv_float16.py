@@ -69,6 +69,32 @@ def test_attention_on_a_float16_cache_equals_the_float32_kernel_on_it_widened(d,
 
 
 @needs_ops
+@pytest.mark.parametrize("heads", [(9, 3), (8, 2), (12, 2), (5, 5)])  # G = 3, 4, 6, 1
+def test_decode_rows_on_a_float16_cache_equal_its_prefill_rows(heads):
+    """A decode tile (one position's G query heads) reads the float16 cache as it goes,
+    a prefill tile of many rows reads a widened copy of each key block (G = 6 decodes
+    that way too), and a chunk of 5 rows at G = 3 ends its tile on 3 rows: every path
+    gives a row the same bits."""
+    h, kvh = heads
+    s, n, d = 600, 230, 64
+    kc, vc = _cache(s, kvh, d, seed=h)
+    g = torch.Generator().manual_seed(h + 1)
+    gather = torch.randperm(s, generator=g)[:n].contiguous()
+    q = torch.randn(n, h, d, generator=g)
+    scale = 1 / math.sqrt(d)
+    whole = OPS.cached_attention(q, kc, vc, gather.view(1, -1), torch.tensor([n]), n, scale)
+    for p in (0, 7, 64, 65, 150, n - 1):
+        alone = OPS.decode_attention_gather(q[p:p + 1].contiguous(), kc, vc,
+                                            gather[:p + 1].contiguous().view(1, -1),
+                                            torch.tensor([p + 1]), scale)
+        assert torch.equal(alone[0], whole[p]), p
+    chunk = OPS.cached_attention(q[100:105].contiguous(), kc, vc,
+                                 gather[:105].contiguous().view(1, -1), torch.tensor([105]),
+                                 5, scale)
+    assert torch.equal(chunk, whole[100:105])
+
+
+@needs_ops
 def test_attention_refuses_mixed_or_other_cache_dtypes():
     kc, vc = _cache(8, 1, 16, seed=0)
     q = torch.randn(1, 16)

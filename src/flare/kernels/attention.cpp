@@ -37,7 +37,8 @@
 // exact. A NaN or infinite score makes the row NaN, as SDPA does.
 //
 // The AVX-512 build (kernel variant avx512vnni) runs the same arithmetic in zmm registers:
-// scores_4x8 holds two query rows' 8-lane chains in one register, and the PV tiles cover 16
+// scores_4x8 holds two query rows' 8-lane chains in one register (scores_3x8 a third row's
+// in a ymm beside them, for a GQA group of 3 at one position), and the PV tiles cover 16
 // lanes of D a register; the score reduction runs two hsum8x8 trees at once
 // (hsum8x8_x2, one per 256-bit half) and the softmax takes its max and exp8 over 16 scores
 // a register (exp16, the same instructions per lane), adding both halves into the 8-lane
@@ -72,10 +73,23 @@ using flare_simd::hsum8x8;
 
 constexpr int64_t KEY_BLOCK = 64;  // keys per block: 64 x D=64 floats of K or V = 16 KB
 constexpr int MAX_TILE_ROWS = 48;  // query rows sharing each key block
-// Keys ahead whose K (scores) or V (PV) row is prefetched into L1. The pool hands pages out
-// in any order, and the hardware prefetcher stops at each 4 KB page (five key rows of one
-// head at KVH = 3, D = 64), so without it a long context streamed K/V at about 8 GB/s.
-constexpr int64_t PREFETCH_KEYS = 16;
+// A float16 tile of at most this many rows (a decode position's query heads, GQA groups
+// up to 4) reads K and V as float16 in its passes, widening each vector as it loads it
+// (F16C, exact: the same floats as widen_rows gives); more rows share one widened copy
+// of each key block. Widening for 3 rows cost a store and a reload a value for 3 uses:
+// on a Zen 4 EPYC (2 threads, float16 cache) decode attention over 2,048 keys ran
+// 1.3-1.4x faster without it, 8 streams and 1 alike (bench/bench_attention.py).
+constexpr int DIRECT_MAX_ROWS = 4;
+// Keys ahead whose K (scores) or V (PV) row is prefetched, into L2. The pool hands pages
+// out in any order, and the hardware prefetcher stops at each 4 KB page (five key rows of
+// one head at KVH = 3, D = 64), so without it a long context streamed K/V at about 8 GB/s.
+// Into L1 (_MM_HINT_T0) each prefetch holds one of the core's few L1 miss buffers until
+// its line arrives, which capped a decode step's K/V reads at about 13 GB/s on 2 threads
+// whatever the distance (16, 48, 64 or 160 keys: the same); into L2 (_MM_HINT_T1), 64
+// keys ahead (one key block), a Zen 4 EPYC decoding 8 streams at 2,048 cached tokens read
+// twice as fast (widening alone: 0.98 -> 0.50 ms a layer; the whole call 1.3-1.7x, 1
+// stream 1.5-1.7x; 128 keys ahead was slower). The loads then hit L2, not memory.
+constexpr int64_t PREFETCH_KEYS = 64;
 // (query row, key) pairs worth a thread handoff: one sequence's decode (9 query heads)
 // goes parallel from 57 keys on. At 4,096 it stayed on one thread up to 455 keys, and a
 // Zen 5 EPYC (2 threads) decoded 7% slower at 300 keys (4.26 against 3.95 ms a step);
@@ -91,13 +105,14 @@ struct Tile {
   int64_t n[MAX_TILE_ROWS];
 };
 
-// One key's row of one head (D elements from `row`) on its way into L1; no value changes.
+// One key's row of one head (D elements from `row`) on its way into L2 (PREFETCH_KEYS says
+// why not L1); no value changes.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t D) {
   constexpr int64_t per_line = 64 / sizeof(T);
   for (int64_t i = 0; i < D; i += per_line)
-    _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(row + D - 1), _MM_HINT_T0);  // an unaligned tail
+    _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(row + D - 1), _MM_HINT_T1);  // an unaligned tail
 }
 
 // a stored K/V element as float32 (float16 widened exactly)
@@ -179,6 +194,35 @@ inline void scores_4x8(const float* const* qa, const T* const* ks, int64_t D,
     _mm256_storeu_ps(pa[2 * m], _mm512_castps512_ps256(s));
     _mm256_storeu_ps(pa[2 * m + 1], _mm512_extractf32x8_ps(s, 1));
   }
+}
+
+// scores_4x8 for 3 rows a[0..2] (a GQA group of 3, SmolLM2's, at one decode position):
+// rows 0 and 1 share a zmm as there, row 2 runs its 8-lane chains in a ymm against the
+// same key vectors and is reduced by hsum8x8, the tree hsum8x8_x2 runs in each half. The
+// same scores bit for bit, without the fourth (repeated) row's FMAs.
+template <typename T>
+inline void scores_3x8(const float* const* qa, const T* const* ks, int64_t D,
+                       __m256 scv, float* const* pa) {
+  __m512 acc[8];
+  __m256 acc2[8];
+  for (int c = 0; c < 8; ++c) {
+    acc[c] = _mm512_setzero_ps();
+    acc2[c] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m512 x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa[0] + i)),
+                                        _mm256_loadu_ps(qa[1] + i), 1);
+    const __m256 y = _mm256_loadu_ps(qa[2] + i);
+    for (int c = 0; c < 8; ++c) {
+      const __m256 k8 = flare_simd::F8::load(ks[c] + i);
+      acc[c] = _mm512_fmadd_ps(x, _mm512_broadcast_f32x8(k8), acc[c]);
+      acc2[c] = _mm256_fmadd_ps(y, k8, acc2[c]);
+    }
+  }
+  const __m512 s = _mm512_mul_ps(flare_simd::hsum8x8_x2(acc), _mm512_broadcast_f32x8(scv));
+  _mm256_storeu_ps(pa[0], _mm512_castps512_ps256(s));
+  _mm256_storeu_ps(pa[1], _mm512_extractf32x8_ps(s, 1));
+  _mm256_storeu_ps(pa[2], _mm256_mul_ps(hsum8x8(acc2), scv));
 }
 #endif
 
@@ -339,7 +383,8 @@ void scores_block(const Tile& t, const T* k, int64_t stride, Slot slot, int64_t 
   const bool vec = D % 8 == 0;
   const __m256 scv = _mm256_set1_ps(sc);
 #ifdef __AVX512F__
-  if (vec) {  // zmm: 4 rows x 8 keys a pass (the last rows repeated to fill it)
+  if (vec) {  // zmm: 4 rows x 8 keys a pass (the last rows repeated to fill it), or the
+             // last 3 rows in one scores_3x8 pass
     for (int64_t j = j0; j < j1; j += 8) {
       if (prefetch)
         for (int c = 0; c < 8; ++c)
@@ -354,7 +399,8 @@ void scores_block(const Tile& t, const T* k, int64_t stride, Slot slot, int64_t 
           qa[i] = t.q[ri];
           pa[i] = pr[ri] + j;
         }
-        scores_4x8(qa, ks, D, scv, pa);
+        if (t.rows - r == 3) scores_3x8(qa, ks, D, scv, pa);
+        else scores_4x8(qa, ks, D, scv, pa);
       }
     }
     return;
@@ -405,17 +451,22 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
   const bool vec = D % 8 == 0;
   float* pr[MAX_TILE_ROWS];
   for (int r = 0; r < t.rows; ++r) pr[r] = p + r * pstride;
+  // A float16 tile of many rows widens each key block once for all of them (widen_rows);
+  // a decode tile (one position's query heads) converts as it loads instead
+  const bool widen = kHalf && t.rows > DIRECT_MAX_ROWS;
   // 1. scores, a key block at a time; rows past their own n compute (unused) extra
   // scores up to nmax; keys past nmax read slot(nmax - 1) (a valid row) and are dropped
   for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
     const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
     if constexpr (kHalf) {
-      widen_rows(k, stride, slot, j0, j1, nmax - 1, D, wide);
-      scores_block(t, static_cast<const float*>(wide), D,
-                   [j0](int64_t j) { return j - j0; }, j0, j1, j1 - 1, false, D, sc, pr);
-    } else {
-      scores_block(t, k, stride, slot, j0, j1, nmax - 1, true, D, sc, pr);
+      if (widen) {
+        widen_rows(k, stride, slot, j0, j1, nmax - 1, D, wide);
+        scores_block(t, static_cast<const float*>(wide), D,
+                     [j0](int64_t j) { return j - j0; }, j0, j1, j1 - 1, false, D, sc, pr);
+        continue;
+      }
     }
+    scores_block(t, k, stride, slot, j0, j1, nmax - 1, true, D, sc, pr);
   }
   // 2. softmax numerators per row over its own n; the normalization is applied last
   float inv[MAX_TILE_ROWS];
@@ -427,12 +478,14 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
     for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
       const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
       if constexpr (kHalf) {
-        widen_rows(v, stride, slot, j0, j1, nmax - 1, D, wide);
-        pv_block(pr, t, D, static_cast<const float*>(wide), D,
-                 [j0](int64_t j) { return j - j0; }, j0, j1, -1);
-      } else {
-        pv_block(pr, t, D, v, stride, slot, j0, j1, nmax - 1);
+        if (widen) {
+          widen_rows(v, stride, slot, j0, j1, nmax - 1, D, wide);
+          pv_block(pr, t, D, static_cast<const float*>(wide), D,
+                   [j0](int64_t j) { return j - j0; }, j0, j1, -1);
+          continue;
+        }
       }
+      pv_block(pr, t, D, v, stride, slot, j0, j1, nmax - 1);
     }
   } else {
     for (int r = 0; r < t.rows; ++r)

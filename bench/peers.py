@@ -4,7 +4,8 @@ Columns: Flare's engine (prefix cache off) in each weight format asked for (`*` 
 default format, what `flare prepare` picks); transformers' `generate` on the same fp32
 weights; llama.cpp through llama-cpp-python on the very same GGUF file, when it is
 importable. Rows: decode tokens/s at batch 1, aggregate decode tokens/s at 8 concurrent
-streams, prefill tokens/s on 512- and 2,048-token prompts, and the time to first token
+streams, decode tokens/s at batch 1 after a 2,048-token prompt (an agent's long context:
+each step also reads the context's K and V), prefill tokens/s on 512- and 2,048-token prompts, and the time to first token
 when a cached 2,048-token prompt is extended by 50 new tokens (an agent's next turn:
 Flare's prefix cache; llama.cpp's own KV cache, which keeps the prompt it evaluated last).
 
@@ -102,11 +103,13 @@ def linear_params(cfg) -> tuple[int, int]:
     return cfg.num_hidden_layers * (attn + mlp), cfg.vocab_size * h
 
 
-def decode_bytes_per_step(cfg, weight_bytes: float, batch: int, context: int) -> float:
+def decode_bytes_per_step(cfg, weight_bytes: float, batch: int, context: int,
+                          kv_bytes: int = 4) -> float:
     """Bytes one decode step reads: every linear weight once (output layer included) at
-    `weight_bytes` per parameter, plus each sequence's fp32 K and V over `context`."""
+    `weight_bytes` per parameter, plus each sequence's K and V over `context` at
+    `kv_bytes` an element (4: float32, 2: float16)."""
     layers, out = linear_params(cfg)
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * kv_bytes
     return (layers + out) * weight_bytes + batch * context * kv
 
 
@@ -173,9 +176,9 @@ def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
         llm.eval(ids_of(n))
         return n / (time.perf_counter() - t)
 
-    def decode() -> float:
+    def decode(prompt: int) -> float:
         llm.reset()
-        llm.eval(ids_of(SHORT_PROMPT))
+        llm.eval(ids_of(prompt))
         t = time.perf_counter()
         for _ in range(decode_tokens):
             llm.eval([42])
@@ -189,10 +192,11 @@ def llama_cpp_measures(gguf: Path, ids_of, threads: int, decode_tokens: int,
         llm.eval(next(suffixes))
         return (time.perf_counter() - t) * 1e3
 
-    out = {"decode_b1": decode, **{f"prefill_{n}": functools.partial(prefill, n)
-                                   for n in lengths}}
+    out = {"decode_b1": functools.partial(decode, SHORT_PROMPT),
+           **{f"prefill_{n}": functools.partial(prefill, n) for n in lengths}}
     if suffixes is not None:
         out["extend"] = extend
+        out["decode_long"] = functools.partial(decode, EXTEND_BASE)
     return out
 
 
@@ -238,20 +242,23 @@ class Column:
     """One column: its measurements (row -> a call returning the figure) or why it has
     none; the weight bytes per parameter a decode step reads; whether its prompt
     products run on int8 activations (its prefill limit is then the int8 kernel peak);
-    the weight bytes it holds in memory, where known."""
+    the weight bytes it holds in memory, where known; the bytes of one K or V element in
+    its cache."""
 
     measures: dict[str, Callable[[], float]] | str
     bytes_per_param: float = 4.0
     int8: bool = False
     held_bytes: int | None = None
+    kv_bytes: int = 4
 
 
 def kv_pages(n_dec: int, page_size: int = 16) -> int:
     """KV pages an engine needs for every row, twice over (the prefix-cached engine keeps
     earlier extensions): the cached 2,048-token prompt and an extension (or one 2,048-token
-    prefill), or 8 streams of the short prompt and `n_dec` tokens. The default pool (8
-    full-length sequences, 1.5 GiB) for every column would not fit beside the others."""
-    one = -(-(EXTEND_BASE + EXTEND_NEW + 1) // page_size)
+    prefill, or one decoding `n_dec` tokens after it), or 8 streams of the short prompt
+    and `n_dec` tokens. The default pool (8 full-length sequences, 1.5 GiB) for every
+    column would not fit beside the others."""
+    one = -(-(EXTEND_BASE + max(EXTEND_NEW, n_dec) + 1) // page_size)
     streams = 8 * -(-(SHORT_PROMPT + n_dec + 1) // page_size)
     return 2 * max(one, streams)
 
@@ -270,6 +277,8 @@ def flare_column(ckpt, fmt: str, setup: Setup) -> Column:
         **{f"prefill_{n}": functools.partial(flare_prefill, engine, setup.ids_of(n))
            for n in setup.lengths}}
     if setup.extend:
+        measures["decode_long"] = functools.partial(flare_decode, engine,
+                                                    setup.ids_of(EXTEND_BASE), 1, setup.n_dec)
         cached = flare_engine(ckpt, fmt, prefix_cache=True, stored=stored, num_pages=pages)
         base = setup.ids_of(EXTEND_BASE)
         flare_prefill(cached, base)  # the cached turn
@@ -279,7 +288,9 @@ def flare_column(ckpt, fmt: str, setup: Setup) -> Column:
     # the formulas where they are known, else what the format holds (kx8, q8x8)
     per_param = (flare_bytes_per_param(ckpt.config, fmt) if fmt in ("full", "fp16", "q4", "q4x8")
                  else held / (layers + out))
-    return Column(measures, per_param, int8=fmt in INT8_FORMATS, held_bytes=held)
+    kv_bytes = getattr(torch, engine.plan.kv_pool_dtype).itemsize
+    return Column(measures, per_param, int8=fmt in INT8_FORMATS, held_bytes=held,
+                  kv_bytes=kv_bytes)
 
 
 def transformers_column(ckpt, setup: Setup) -> Column:
@@ -299,7 +310,8 @@ def llama_cpp_column(gguf: Path, cfg, setup: Setup) -> Column:
     layers, out = linear_params(cfg)
     return Column(llama_cpp_measures(gguf, setup.ids_of, setup.threads, setup.n_dec,
                                      setup.lengths, setup.suffixes() if setup.extend else None),
-                  gguf.stat().st_size / (layers + out), int8=True)
+                  gguf.stat().st_size / (layers + out), int8=True,
+                  kv_bytes=2)  # llama.cpp's cache is float16 by default
 
 
 def kquant_group(src: Path, kind: str, setup: Setup, llama_cpp: bool
@@ -357,7 +369,7 @@ def figure_share(cfg, limits: Limits, col: Column, row: str, value: float, conte
         linear = limits.int8_gops if col.int8 and limits.int8_gops else limits.fp32_gflops
         return prefill_share(cfg, n, value, linear * 1e9, limits.fp32_gflops * 1e9)
     batch = 8 if row == "decode_b8" else 1
-    per_step = decode_bytes_per_step(cfg, col.bytes_per_param, batch, context)
+    per_step = decode_bytes_per_step(cfg, col.bytes_per_param, batch, context, col.kv_bytes)
     return value / batch * per_step / (limits.read_gbs * 1e9)
 
 
@@ -446,9 +458,10 @@ def main() -> None:
     setup = Setup(ids_of=lambda n: _prompt(tok, n), threads=args.threads, n_dec=n_dec,
                   lengths=(512,) if args.quick else (512, 2048), extend=not args.quick,
                   vocab=cfg.vocab_size)
-    rows = (["decode_b1", "decode_b8"] + [f"prefill_{n}" for n in setup.lengths]
-            + (["extend"] if setup.extend else []))
+    rows = (["decode_b1", "decode_b8"] + (["decode_long"] if setup.extend else [])
+            + [f"prefill_{n}" for n in setup.lengths] + (["extend"] if setup.extend else []))
     labels = {"decode_b1": "decode batch 1, tok/s", "decode_b8": "decode 8 streams, agg tok/s",
+              "decode_long": f"decode b1 at {EXTEND_BASE} cached, tok/s",
               **{f"prefill_{n}": f"prefill {n} tokens, tok/s" for n in setup.lengths},
               "extend": f"+{EXTEND_NEW} on cached {EXTEND_BASE}, ms"}
 
@@ -483,7 +496,8 @@ def main() -> None:
     gc.collect()  # before the session's servers start
 
     def share(col: Column, row: str, value: float) -> float:
-        return figure_share(cfg, limits, col, row, value, SHORT_PROMPT + n_dec // 2)
+        prompt = EXTEND_BASE if row == "decode_long" else SHORT_PROMPT
+        return figure_share(cfg, limits, col, row, value, prompt + n_dec // 2)
 
     print(f"\nmedians of {repeat} rounds; load average {os.getloadavg()[0]:.1f} at the end; "
           f"* = the file's default format")

@@ -543,7 +543,10 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   const auto work = [&](int64_t w0, int64_t w1) {
     std::vector<float> p(static_cast<size_t>(std::min<int64_t>(rows_per_tile * G,
                                                                MAX_TILE_ROWS)) * pstride);
-    std::vector<float> wide(std::is_same_v<T, uint16_t> ? KEY_BLOCK * D : 0);
+    // widened key blocks, for float16 tiles of more than DIRECT_MAX_ROWS rows only (a
+    // decode step's tiles read the cache directly and need none)
+    const bool widens = std::is_same_v<T, uint16_t> && rows_per_tile * G > DIRECT_MAX_ROWS;
+    std::vector<float> wide(widens ? KEY_BLOCK * D : 0);
     for (int64_t i = w0; i < w1; ++i) {
       // zig-zag over the items, so the two halves a static split makes each get as many
       // long (late) as short (early) causal rows

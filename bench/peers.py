@@ -5,9 +5,10 @@ default format, what `flare prepare` picks); transformers' `generate` on the sam
 weights; llama.cpp through llama-cpp-python on the very same GGUF file, when it is
 importable. Rows: decode tokens/s at batch 1, aggregate decode tokens/s at 8 concurrent
 streams, decode tokens/s at batch 1 after a 2,048-token prompt (an agent's long context:
-each step also reads the context's K and V), prefill tokens/s on 512- and 2,048-token prompts, and the time to first token
-when a cached 2,048-token prompt is extended by 50 new tokens (an agent's next turn:
-Flare's prefix cache; llama.cpp's own KV cache, which keeps the prompt it evaluated last).
+each step also reads the context's K and V), prefill tokens/s on 512- and 2,048-token
+prompts, and the time to first token when a cached 2,048-token prompt is extended by 50
+new tokens (an agent's next turn: Flare's prefix cache; llama.cpp's own KV cache, which
+keeps the prompt it evaluated last).
 
 Then the same rows for Flare's default format and llama.cpp on K-quant files (Q4_K_M and
 Q6_K, `--kquants`) that llama.cpp's quantizer writes from the embedded GGUF

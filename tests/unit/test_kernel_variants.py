@@ -88,7 +88,7 @@ def test_this_cpu_runs_its_best_variant_and_builds_no_other_without_vnni(monkeyp
 @needs_kernels
 def test_the_probe_rejects_sigill_caches_the_verdict_and_accepts_the_baseline(tmp_path,
                                                                               monkeypatch):
-    so = K.module_file("avx2")
+    so = K._built("avx2")  # the baseline, built here if no earlier probe built it
     verdict = tmp_path / "flare_qgemm_x_k1.probe.json"
     monkeypatch.setenv(probe.FAULT_ENV, "ud2")  # the child executes ud2: a real SIGILL
     assert probe.cached_probe(verdict, "k1", "k0", so, so) == "killed by SIGILL"
@@ -104,7 +104,7 @@ def test_the_probe_rejects_sigill_caches_the_verdict_and_accepts_the_baseline(tm
 
 @needs_kernels
 def test_the_probe_rejects_a_variant_whose_results_differ(monkeypatch):
-    so = K.module_file("avx2")
+    so = K._built("avx2")  # the baseline, built here if no earlier probe built it
     monkeypatch.setenv(probe.FAULT_ENV, "differ")  # one byte of q4x8_linear's result
     assert probe.probe(so, so) == ("exited with 1: results differ from the baseline's: "
                                    "q4x8_linear (1 rows)")

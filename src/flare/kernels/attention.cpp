@@ -42,8 +42,10 @@
 // lanes of D a register; the score reduction runs two hsum8x8 trees at once
 // (hsum8x8_x2, one per 256-bit half) and the softmax takes its max and exp8 over 16 scores
 // a register (exp16, the same instructions per lane), adding both halves into the 8-lane
-// sum in order of j. Every chain and tree is the one above, so its results equal the avx2
-// build's bit for bit (the kernel probe and test_kernel_variants compare them).
+// sum in order of j. A tile of many rows (a prefill chunk's) puts 16 query rows in the
+// lanes of a register instead (attend_tile_lanes), so the hsum8x8 tree becomes vertical
+// adds. Every chain and tree is the one above, so its results equal the avx2 build's bit
+// for bit (the kernel probe and test_kernel_variants compare them).
 //
 // Compiled with -ffp-contract=off (kernels/__init__.py), so no compiler-chosen FMA
 // changes one path's rounding and not another's.
@@ -288,10 +290,11 @@ inline float softmax_numerators(float* p, int64_t n) {
   return 1.0f / hsum(sum);
 }
 
-// o_r[d0 .. d0 + L NV) += sum_{j in [j0, j1)} p_r[j] v_j, for NR rows, in order of j,
-// in vectors of L = VF::lanes floats; with `prefetch` (the first chunk of D), V's rows
+// o_r[d0 .. d0 + L NV) += sum_{j in [j0, j1)} p_r[j PS] v_j, for NR rows, in order of j,
+// in vectors of L = VF::lanes floats (PS: 1 for a row's own scores, LANE_ROWS for a lane
+// group's, where key j of row i sits at j * 16 + i); with `prefetch` (the first chunk of D), V's rows
 // PREFETCH_KEYS keys ahead (up to key `jlast`) are fetched whole for the chunks after it
-template <typename VF, int NR, int NV, typename T, typename Slot>
+template <typename VF, int NR, int NV, int PS, typename T, typename Slot>
 inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const T* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1, bool prefetch,
                     int64_t D, int64_t jlast) {
@@ -305,7 +308,7 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const T*
     typename VF::F vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = VF::load(vr + L * c);
     for (int r = 0; r < NR; ++r) {
-      const typename VF::F pv = VF::set1(p[r][j]);
+      const typename VF::F pv = VF::set1(p[r][j * PS]);
       for (int c = 0; c < NV; ++c) acc[r][c] = VF::fmadd(pv, vv[c], acc[r][c]);
     }
   }
@@ -321,7 +324,7 @@ inline void pv_tile(const float* const* p, float* const* o, int64_t d0, const T*
 // through a store and a load (3 x 4 ymm did: the whole PV pass ran at half speed). Several
 // rows share each V load; each output lane is its own chain over j, so neither the rows
 // sharing a load nor the vector width ever changes a result.
-template <int NR, typename T, typename Slot>
+template <int NR, int PS, typename T, typename Slot>
 inline void pv_rows(const float* const* p, float* const* o, int64_t D, const T* v,
                     int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   using VF = flare_simd::FWide;
@@ -331,26 +334,26 @@ inline void pv_rows(const float* const* p, float* const* o, int64_t D, const T* 
   int64_t d0 = 0;
   const bool prefetch = jlast >= 0;
   for (; d0 + L * NV <= D; d0 += L * NV)
-    pv_tile<VF, NR, NV>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0, D, jlast);
+    pv_tile<VF, NR, NV, PS>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0, D, jlast);
   for (; d0 + L <= D; d0 += L)
-    pv_tile<VF, NR, 1>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0, D, jlast);
+    pv_tile<VF, NR, 1, PS>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0, D, jlast);
   for (; d0 + 8 <= D; d0 += 8)
-    pv_tile<flare_simd::F8, NR, 1>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0,
+    pv_tile<flare_simd::F8, NR, 1, PS>(p, o, d0, v, stride, slot, j0, j1, prefetch && d0 == 0,
                                    D, jlast);
 }
 
 // Rows r .. r + NR of a tile over keys [j0, j1) of their own: together over the keys all
 // of them see, then each alone over the rest
-template <int NR, typename T, typename Slot>
+template <int NR, int PS, typename T, typename Slot>
 inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const T* v,
                      int64_t stride, Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   int64_t common = j1;
   for (int i = r; i < r + NR; ++i) common = std::min(common, t.n[i]);
-  if (common > j0) pv_rows<NR>(pr + r, t.o + r, D, v, stride, slot, j0, common, jlast);
+  if (common > j0) pv_rows<NR, PS>(pr + r, t.o + r, D, v, stride, slot, j0, common, jlast);
   if (NR == 1) return;
   for (int i = r; i < r + NR; ++i) {
     const int64_t a = std::max(j0, common), b = std::min(j1, t.n[i]);
-    if (b > a) pv_rows<1>(pr + i, t.o + i, D, v, stride, slot, a, b, jlast);
+    if (b > a) pv_rows<1, PS>(pr + i, t.o + i, D, v, stride, slot, a, b, jlast);
   }
 }
 
@@ -359,7 +362,9 @@ inline void pv_group(float* const* pr, const Tile& t, int r, int64_t D, const T*
 // (up to key jlast) fetched on the way. The score and PV passes then read each key block
 // as float32 from L1, once converted for every row of the tile: converting in the passes
 // (vcvtph2ps and a broadcast beside every two FMAs in scores_4x8) held 2,048-token
-// prefill attention to about 40% of the FMA peak.
+// prefill attention to about 40% of the FMA peak. (The AVX-512 lane-group path widens K
+// only: its scores broadcast each K element once for 16 rows, and a PV tile converts each
+// V vector once for up to 6 rows, which ran 1.04x faster than widening V.)
 template <typename Slot>
 inline void widen_rows(const uint16_t* src, int64_t stride, Slot slot, int64_t j0,
                        int64_t j1, int64_t jlast, int64_t D, float* w) {
@@ -430,22 +435,186 @@ void scores_block(const Tile& t, const T* k, int64_t stride, Slot slot, int64_t 
 
 // o_r += P_r V over keys [j0, j1) for every row of the tile: rows in sixes, then threes,
 // over the keys all of them see, then each row alone over the rest of its keys (pv_group)
-template <typename T, typename Slot>
+template <int PS, typename T, typename Slot>
 inline void pv_block(float* const* pr, const Tile& t, int64_t D, const T* v, int64_t stride,
                      Slot slot, int64_t j0, int64_t j1, int64_t jlast) {
   int r = 0;
-  for (; r + 6 <= t.rows; r += 6) pv_group<6>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
-  for (; r + 3 <= t.rows; r += 3) pv_group<3>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
-  for (; r < t.rows; ++r) pv_group<1>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
+  for (; r + 6 <= t.rows; r += 6) pv_group<6, PS>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
+  for (; r + 3 <= t.rows; r += 3) pv_group<3, PS>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
+  for (; r < t.rows; ++r) pv_group<1, PS>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
 }
+
+#ifdef __AVX512F__
+// A tile of many rows (a prefill chunk's) runs its scores and softmax with query rows as
+// the 16 lanes of a zmm register (a "lane group"), keys one a register:
+//   qt [D, 16]: the group's q transposed (rows past the tile's zero);
+//   acc_l (l = 0..7) for key j: lane i is row i's chain q_i[l] k_j[l], q_i[l+8] k_j[l+8],
+//   ... (each FMA with k_j's element broadcast), exactly row i's 8-lane chain l of
+//   scores_4x8; the hsum8x8 tree, ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), then
+//   runs as 7 vertical adds. So the same scores bit for bit, without the horizontal
+//   shuffles and q inserts that made the row-major pass ~1.4x slower than the PV pass for
+//   the same FLOPs. Scores and numerators are kept as pt [keys, 16] (row i of key j at
+//   j * 16 + i), and the PV pass broadcasts them from there.
+constexpr int LANE_ROWS = 16;
+// Tiles of at least this many rows take the lane-group path. At 2,048 cached keys
+// (float16, 2 threads, Zen 4 EPYC) it was 0.90x the row-major path at 6 rows (a lane group
+// mostly empty), 1.10x at 9, 1.25x at 15, 1.12x at 57 and 1.04-1.13x at 1,536 (a 512-token
+// prefill chunk: 17.4 ms a layer, 156 GFLOP/s where bench/peers.py measured an fp32 FMA
+// peak of 168).
+constexpr int LANES_MIN_ROWS = 8;
+
+// qt[d * 16 + i] = q of the tile's row 16 g + i at d (0 past the tile's rows)
+inline void transpose_q(const Tile& t, int g, int64_t D, float* qt) {
+  for (int i = 0; i < LANE_ROWS; ++i) {
+    const int r = g * LANE_ROWS + i;
+    for (int64_t d = 0; d < D; ++d) qt[d * LANE_ROWS + i] = r < t.rows ? t.q[r][d] : 0.f;
+  }
+}
+
+// Scores of a lane group for keys [j0, j1) into pt[j * 16 ..): key j is row slot(j) of the
+// float32 rows k (stride `stride`); 3 keys a pass (24 accumulators); with `prefetch`, K's
+// rows PREFETCH_KEYS keys ahead (up to key `last`).
+template <typename Slot>
+inline void scores_lanes(const float* qt, const float* k, int64_t stride, Slot slot,
+                         int64_t j0, int64_t j1, int64_t last, bool prefetch, int64_t D,
+                         __m512 scz, float* pt) {
+  for (int64_t j = j0; j < j1; j += 3) {
+    if (prefetch)
+      for (int c = 0; c < 3; ++c)
+        prefetch_row(k + slot(std::min(j + PREFETCH_KEYS + c, last)) * stride, D);
+    const float* ks[3];
+    for (int c = 0; c < 3; ++c) ks[c] = k + slot(std::min(j + c, j1 - 1)) * stride;
+    __m512 acc[3][8];
+    for (int c = 0; c < 3; ++c)
+      for (int l = 0; l < 8; ++l) acc[c][l] = _mm512_setzero_ps();
+    for (int64_t m = 0; m < D; m += 8)
+      for (int l = 0; l < 8; ++l) {
+        __m512 qv = _mm512_loadu_ps(qt + (m + l) * LANE_ROWS);
+        asm("" : "+v"(qv));  // one load for 3 FMAs: keep the compiler from reloading it
+        for (int c = 0; c < 3; ++c)
+          acc[c][l] = _mm512_fmadd_ps(qv, _mm512_set1_ps(ks[c][m + l]), acc[c][l]);
+      }
+    for (int c = 0; c < 3 && j + c < j1; ++c) {
+      const __m512* a = acc[c];
+      const __m512 s = _mm512_add_ps(
+          _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+          _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+      _mm512_storeu_ps(pt + (j + c) * LANE_ROWS, _mm512_mul_ps(s, scz));
+    }
+  }
+}
+
+// softmax_numerators for a lane group: lane i (row i, n[i] keys; 0 for a lane past the
+// tile) gets pt[j * 16 + i] <- exp(s - max) for j < n[i], 0 for n[i] <= j < nmax, and
+// inv[i] = 1 / sum, or NaN when a score is NaN or the max is not finite. The same bits as
+// the row-major form: the max is exact in any order, exp16 is exp8 lane for lane, and
+// z[l] sums e_j for j = l mod 8 in order of j (a row's last keys add nothing, where the
+// row-major form adds masked zeros), reduced by hsum's tree
+// ((z0 + z4) + (z2 + z6)) + ((z1 + z5) + (z3 + z7)).
+inline void softmax_lanes(float* pt, __m512i n, int64_t nmax, float* inv) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  __mmask16 bad = 0;
+  for (int64_t j = 0; j < nmax; ++j) {
+    const __mmask16 valid = _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32(static_cast<int>(j)));
+    const __m512 s = _mm512_loadu_ps(pt + j * LANE_ROWS);
+    mx = _mm512_mask_max_ps(mx, valid, mx, s);
+    bad |= _mm512_mask_cmp_ps_mask(valid, s, s, _CMP_UNORD_Q);
+  }
+  bad |= _mm512_cmp_ps_mask(_mm512_abs_ps(mx), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+  __m512 z[8];
+  for (int l = 0; l < 8; ++l) z[l] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < nmax; j0 += 8)
+    for (int l = 0; l < 8 && j0 + l < nmax; ++l) {
+      const int64_t j = j0 + l;
+      const __mmask16 valid =
+          _mm512_cmpgt_epi32_mask(n, _mm512_set1_epi32(static_cast<int>(j)));
+      const __m512 e = _mm512_maskz_mov_ps(
+          valid, flare_simd::exp16(_mm512_sub_ps(_mm512_loadu_ps(pt + j * LANE_ROWS), mx)));
+      _mm512_storeu_ps(pt + j * LANE_ROWS, e);
+      z[l] = _mm512_add_ps(z[l], e);
+    }
+  const __m512 sum = _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(z[0], z[4]), _mm512_add_ps(z[2], z[6])),
+      _mm512_add_ps(_mm512_add_ps(z[1], z[5]), _mm512_add_ps(z[3], z[7])));
+  const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), sum);
+  _mm512_storeu_ps(inv, _mm512_mask_mov_ps(r, bad, _mm512_set1_ps(NAN)));
+}
+
+// attend_tile for a tile of many rows (D a multiple of 8), its rows in lane groups of 16:
+// scores and softmax as above, then the PV pass of attend_tile reading each row's
+// numerators from its group's pt (a stride of 16 between keys). Scratch `p`: groups x 16
+// x pstride floats (pstride >= max n + 16); `wide`: KEY_BLOCK x D floats; `qt`:
+// groups x D x 16 floats.
+template <typename T, typename Slot>
+void attend_tile_lanes(const Tile& t, const T* k, const T* v, int64_t stride, Slot slot,
+                       int64_t D, float sc, float* p, int64_t pstride, float* wide,
+                       float* qt) {
+  const int groups = (t.rows + LANE_ROWS - 1) / LANE_ROWS;
+  int64_t nmax = 0, ngroup[MAX_TILE_ROWS / LANE_ROWS] = {};
+  for (int r = 0; r < t.rows; ++r) {
+    nmax = std::max(nmax, t.n[r]);
+    ngroup[r / LANE_ROWS] = std::max(ngroup[r / LANE_ROWS], t.n[r]);
+  }
+  const auto pt = [&](int g) { return p + g * LANE_ROWS * pstride; };
+  for (int g = 0; g < groups; ++g) transpose_q(t, g, D, qt + g * D * LANE_ROWS);
+  const __m512 scz = _mm512_set1_ps(sc);
+  // 1. scores, a key block at a time (a float16 block widened once for all groups)
+  for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK) {
+    const int64_t j1 = std::min(j0 + KEY_BLOCK, nmax);
+    if constexpr (std::is_same_v<T, uint16_t>)
+      widen_rows(k, stride, slot, j0, j1, nmax - 1, D, wide);
+    for (int g = 0; g < groups; ++g) {
+      const int64_t jg = std::min(j1, ngroup[g]);
+      if (jg <= j0) continue;
+      if constexpr (std::is_same_v<T, uint16_t>)
+        scores_lanes(qt + g * D * LANE_ROWS, wide, D, [j0](int64_t j) { return j - j0; }, j0,
+                     jg, 0, false, D, scz, pt(g));
+      else
+        scores_lanes(qt + g * D * LANE_ROWS, k, stride, slot, j0, jg, nmax - 1, g == 0, D,
+                     scz, pt(g));
+    }
+  }
+  // 2. softmax numerators, a lane group at a time
+  alignas(64) float inv[MAX_TILE_ROWS];
+  alignas(64) int32_t nl[LANE_ROWS];
+  for (int g = 0; g < groups; ++g) {
+    for (int i = 0; i < LANE_ROWS; ++i) {
+      const int r = g * LANE_ROWS + i;
+      nl[i] = r < t.rows ? static_cast<int32_t>(t.n[r]) : 0;
+    }
+    softmax_lanes(pt(g), _mm512_load_si512(nl), ngroup[g], inv + g * LANE_ROWS);
+  }
+  // 3. o = (E V) / sum(E) as attend_tile's, V read from the cache (a float16 V widened as
+  // it loads: one conversion shared by the rows of a PV tile)
+  float* pr[MAX_TILE_ROWS];
+  for (int r = 0; r < t.rows; ++r) pr[r] = pt(r / LANE_ROWS) + r % LANE_ROWS;
+  for (int r = 0; r < t.rows; ++r) std::fill(t.o[r], t.o[r] + D, 0.f);
+  for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK)
+    pv_block<LANE_ROWS>(pr, t, D, v, stride, slot, j0, std::min(j0 + KEY_BLOCK, nmax),
+                        nmax - 1);
+  for (int r = 0; r < t.rows; ++r) {
+    if (std::isnan(inv[r])) {
+      std::fill(t.o[r], t.o[r] + D, NAN);
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] * inv[r];
+  }
+}
+#endif
 
 // Attention of a tile's rows over one KV head whose key j is row slot(j) of k / v (row
 // stride `stride` elements of T, float or float16 bits). Scratch `p`: rows x pstride
 // floats, pstride >= max n + 8; `wide` (a float16 cache): KEY_BLOCK x D floats.
 template <typename T, typename Slot>
 void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slot,
-                 int64_t D, float sc, float* p, int64_t pstride, float* wide) {
+                 int64_t D, float sc, float* p, int64_t pstride, float* wide, float* qt) {
   constexpr bool kHalf = std::is_same_v<T, uint16_t>;
+#ifdef __AVX512F__
+  if (D % 8 == 0 && t.rows >= LANES_MIN_ROWS) {
+    attend_tile_lanes(t, k, v, stride, slot, D, sc, p, pstride, wide, qt);
+    return;
+  }
+#endif
   int64_t nmax = 0;
   for (int r = 0; r < t.rows; ++r) nmax = std::max(nmax, t.n[r]);
   const bool vec = D % 8 == 0;
@@ -480,12 +649,12 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
       if constexpr (kHalf) {
         if (widen) {
           widen_rows(v, stride, slot, j0, j1, nmax - 1, D, wide);
-          pv_block(pr, t, D, static_cast<const float*>(wide), D,
+          pv_block<1>(pr, t, D, static_cast<const float*>(wide), D,
                    [j0](int64_t j) { return j - j0; }, j0, j1, -1);
           continue;
         }
       }
-      pv_block(pr, t, D, v, stride, slot, j0, j1, nmax - 1);
+      pv_block<1>(pr, t, D, v, stride, slot, j0, j1, nmax - 1);
     }
   } else {
     for (int r = 0; r < t.rows; ++r)
@@ -539,14 +708,17 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   const T* kd = static_cast<const T*>(k_cache.data_ptr());
   const T* vd = static_cast<const T*>(v_cache.data_ptr());
   float* od = o.data_ptr<float>();
-  const int64_t pstride = nmax + 8;
+  const int64_t pstride = nmax + 16;
+  const int64_t tile_rows = std::min<int64_t>(rows_per_tile * G, MAX_TILE_ROWS);
+  const bool many_rows = tile_rows > DIRECT_MAX_ROWS;  // widened or lane-group tiles
   const auto work = [&](int64_t w0, int64_t w1) {
-    std::vector<float> p(static_cast<size_t>(std::min<int64_t>(rows_per_tile * G,
-                                                               MAX_TILE_ROWS)) * pstride);
+    // scores: a row of pstride floats a tile row, rounded up to whole lane groups
+    std::vector<float> p(static_cast<size_t>((tile_rows + 15) / 16 * 16) * pstride);
     // widened key blocks, for float16 tiles of more than DIRECT_MAX_ROWS rows only (a
-    // decode step's tiles read the cache directly and need none)
-    const bool widens = std::is_same_v<T, uint16_t> && rows_per_tile * G > DIRECT_MAX_ROWS;
-    std::vector<float> wide(widens ? KEY_BLOCK * D : 0);
+    // decode step's tiles read the cache directly and need none), and q transposed for
+    // the lane groups of such tiles
+    std::vector<float> wide(std::is_same_v<T, uint16_t> && many_rows ? KEY_BLOCK * D : 0);
+    std::vector<float> qt(many_rows ? (tile_rows + 15) / 16 * 16 * D : 0);
     for (int64_t i = w0; i < w1; ++i) {
       // zig-zag over the items, so the two halves a static split makes each get as many
       // long (late) as short (early) causal rows
@@ -564,7 +736,7 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
           ++t.rows;
         }
       attend_tile(t, kd + kh * D, vd + kh * D, KVH * D, slot_of(b), D, sc, p.data(),
-                  pstride, wide.data());
+                  pstride, wide.data(), qt.data());
     }
   };
   // decode over a short context: less work than a thread handoff costs

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -91,6 +92,10 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
     # D = 24 (one zmm of D and an 8-lane rest in the AVX-512 build)
     chunk = _attention_problem(g, [61 + rows], rows, heads=(6, 2), head_dim=64)
     step = _attention_problem(g, [5, 40 + rows, 9], 1, heads=(4, 1), head_dim=24)
+    if extremes:  # a NaN query row, and an infinite key element: a row whose largest
+        # score is +inf comes out NaN, one with a -inf score gives that key no weight
+        chunk[0][0, 1, 7] = math.nan
+        chunk[1][chunk[3][0, 20], 1, 5] = math.inf
     # the same two on float16 caches (the int8 formats' default pool: widened per key block)
     chunk16, step16 = (p[:1] + (p[1].half(), p[2].half()) + p[3:] for p in (chunk, step))
     return [

@@ -79,6 +79,7 @@ from flare.loading.embedded import embedded_model_path
 from flare.models.quant.formats import INT8_FORMATS, default_weight_format
 from flare.models.quant.sizes import serving_weight_bytes
 from flare.models.quant.storage import convert_tensors
+from flare.runtime.boot import freeze_startup_objects
 from flare.runtime.request import GenerationRequest, SamplingParams
 
 SHORT_PROMPT = 32  # tokens before decode starts
@@ -483,6 +484,9 @@ def main() -> None:
         (f"embedded model {gguf.name} ({gguf.stat().st_size / MIB:.1f} MiB)", embedded)]
     groups += [kquant_group(gguf, kind, setup, not args.skip_llama_cpp) for kind in kinds]
 
+    # as `flare serve` does once its engine is up: no full collection walks the models
+    # (without it a collection landed in a batch-8 decode now and then: 7% of a profile)
+    freeze_startup_objects()
     measures = {(g, name): col.measures for g, group in enumerate(groups)
                 if not isinstance(group, str) for name, col in group[1].items()}
     samples = interleaved_samples(measures, rows, repeat)
@@ -494,6 +498,7 @@ def main() -> None:
         for col in ([] if isinstance(group, str) else group[1].values()):
             if not isinstance(col.measures, str):
                 col.measures = {}
+    gc.unfreeze()
     gc.collect()  # before the session's servers start
 
     def share(col: Column, row: str, value: float) -> float:

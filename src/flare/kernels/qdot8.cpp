@@ -264,6 +264,17 @@ struct Y8 {
     return _mm256_dpbusd_avx_epi32(acc, u, s);
 #endif
   }
+  // dpbusd(acc, u, bcast(p)): with AVX-512 one instruction whose signed operand is the
+  // dword at p broadcast from memory (EVEX {1to8}), which GCC does not fold by itself
+  static I dpbusd_bcast(I acc, I u, const int8_t* p) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    asm("vpdpbusd %2%{1to8%}, %1, %0"
+        : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+#else
+    return dpbusd(acc, u, bcast(p));
+#endif
+  }
 #endif
   static F to_ps(I a) { return _mm256_cvtepi32_ps(a); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -327,6 +338,11 @@ struct Z16 {
     Y8::prefetch(static_cast<const char*>(p) + next, 0, bytes);
   }
   static I dpbusd(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dpbusd_bcast(I acc, I u, const int8_t* p) {  // as Y8's, {1to16}
+    asm("vpdpbusd %2%{1to16%}, %1, %0"
+        : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  }
   static F to_ps(I a) { return _mm512_cvtepi32_ps(a); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -391,8 +407,8 @@ template <typename V>
 FLARE_INLINE typename V::I dot8(const typename V::I* w, const int8_t* xb) {
   typename V::I a = V::zero(), b = V::zero();
   for (int s = 0; s < 8; s += 2) {
-    a = V::dpbusd(a, w[s], V::bcast(xb + 4 * s));
-    b = V::dpbusd(b, w[s + 1], V::bcast(xb + 4 * s + 4));
+    a = V::dpbusd_bcast(a, w[s], xb + 4 * s);
+    b = V::dpbusd_bcast(b, w[s + 1], xb + 4 * s + 4);
   }
   return V::add32(a, b);
 }

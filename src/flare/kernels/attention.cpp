@@ -456,11 +456,11 @@ inline void pv_block(float* const* pr, const Tile& t, int64_t D, const T* v, int
 //   the same FLOPs. Scores and numerators are kept as pt [keys, 16] (row i of key j at
 //   j * 16 + i), and the PV pass broadcasts them from there.
 constexpr int LANE_ROWS = 16;
-// Tiles of at least this many rows take the lane-group path. At 2,048 cached keys
-// (float16, 2 threads, Zen 4 EPYC) it was 0.90x the row-major path at 6 rows (a lane group
-// mostly empty), 1.10x at 9, 1.25x at 15, 1.12x at 57 and 1.04-1.13x at 1,536 (a 512-token
-// prefill chunk: 17.4 ms a layer, 156 GFLOP/s where bench/peers.py measured an fp32 FMA
-// peak of 168).
+// Tiles of at least this many rows take the lane-group path. After 2,048 cached keys
+// (float16, G = 3, 2 threads, Zen 4 EPYC) a chunk of 2 new tokens (6 query rows a KV head,
+// a lane group mostly empty) ran 0.90x the row-major path, 3 tokens 1.10x, 5 1.25x, 19
+// 1.12x and 512 1.04-1.13x (17.4 ms a layer: 156 GFLOP/s where bench/peers.py measured an
+// fp32 FMA peak of 168).
 constexpr int LANES_MIN_ROWS = 8;
 
 // qt[d * 16 + i] = q of the tile's row 16 g + i at d (0 past the tile's rows)

@@ -444,6 +444,18 @@ inline void pv_block(float* const* pr, const Tile& t, int64_t D, const T* v, int
   for (; r < t.rows; ++r) pv_group<1, PS>(pr, t, r, D, v, stride, slot, j0, j1, jlast);
 }
 
+// o_r *= inv[r] for every row of a tile (the softmax normalization, applied last), or
+// o_r = NaN where inv[r] is NaN (a NaN score or a non-finite max)
+inline void normalize_rows(const Tile& t, const float* inv, int64_t D) {
+  for (int r = 0; r < t.rows; ++r) {
+    if (std::isnan(inv[r])) {
+      std::fill(t.o[r], t.o[r] + D, NAN);
+      continue;
+    }
+    for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] * inv[r];
+  }
+}
+
 #ifdef __AVX512F__
 // A tile of many rows (a prefill chunk's) runs its scores and softmax with query rows as
 // the 16 lanes of a zmm register (a "lane group"), keys one a register:
@@ -592,13 +604,7 @@ void attend_tile_lanes(const Tile& t, const T* k, const T* v, int64_t stride, Sl
   for (int64_t j0 = 0; j0 < nmax; j0 += KEY_BLOCK)
     pv_block<LANE_ROWS>(pr, t, D, v, stride, slot, j0, std::min(j0 + KEY_BLOCK, nmax),
                         nmax - 1);
-  for (int r = 0; r < t.rows; ++r) {
-    if (std::isnan(inv[r])) {
-      std::fill(t.o[r], t.o[r] + D, NAN);
-      continue;
-    }
-    for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] * inv[r];
-  }
+  normalize_rows(t, inv, D);
 }
 #endif
 
@@ -663,13 +669,7 @@ void attend_tile(const Tile& t, const T* k, const T* v, int64_t stride, Slot slo
         for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] + pr[r][j] * kv_value(vr[d]);
       }
   }
-  for (int r = 0; r < t.rows; ++r) {
-    if (std::isnan(inv[r])) {
-      std::fill(t.o[r], t.o[r] + D, NAN);
-      continue;
-    }
-    for (int64_t d = 0; d < D; ++d) t.o[r][d] = t.o[r][d] * inv[r];
-  }
+  normalize_rows(t, inv, D);
 }
 
 void check_caches(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -711,14 +711,20 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t pstride = nmax + 16;
   const int64_t tile_rows = std::min<int64_t>(rows_per_tile * G, MAX_TILE_ROWS);
   const bool many_rows = tile_rows > DIRECT_MAX_ROWS;  // widened or lane-group tiles
+  const int64_t padded_rows = (tile_rows + 15) / 16 * 16;  // whole lane groups of 16
+#ifdef __AVX512F__
+  const bool lanes = many_rows;
+#else
+  constexpr bool lanes = false;
+#endif
   const auto work = [&](int64_t w0, int64_t w1) {
     // scores: a row of pstride floats a tile row, rounded up to whole lane groups
-    std::vector<float> p(static_cast<size_t>((tile_rows + 15) / 16 * 16) * pstride);
+    std::vector<float> p(static_cast<size_t>(padded_rows) * pstride);
     // widened key blocks, for float16 tiles of more than DIRECT_MAX_ROWS rows only (a
     // decode step's tiles read the cache directly and need none), and q transposed for
-    // the lane groups of such tiles
+    // the lane groups of such tiles (AVX-512 builds)
     std::vector<float> wide(std::is_same_v<T, uint16_t> && many_rows ? KEY_BLOCK * D : 0);
-    std::vector<float> qt(many_rows ? (tile_rows + 15) / 16 * 16 * D : 0);
+    std::vector<float> qt(lanes ? padded_rows * D : 0);
     for (int64_t i = w0; i < w1; ++i) {
       // zig-zag over the items, so the two halves a static split makes each get as many
       // long (late) as short (early) causal rows

@@ -275,6 +275,21 @@ torch::Tensor silu_mul(const torch::Tensor& gu,
       const __m256 one = _mm256_set1_ps(1.0f);
       const __m256 neg = _mm256_set1_ps(-0.0f);
       int64_t i = 0;
+#ifdef __AVX512F__
+      // 16 lanes a pass: exp16's lanes are exp8's bit for bit, and the sign flip, add,
+      // divide and multiply are exact IEEE operations either width, so the same values.
+      // A decode step at 8 sequences runs this on the calling thread over 8 x 1,536
+      // elements a layer: 7.3 us a call with 8 lanes (Zen 4 EPYC)
+      const __m512 one16 = _mm512_set1_ps(1.0f);
+      const __m512i sign16 = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+      for (; i + 16 <= F; i += 16) {
+        const __m512 x = _mm512_loadu_ps(a + i);
+        const __m512 e = flare_simd::exp16(
+            _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign16)));
+        const __m512 sx = _mm512_div_ps(x, _mm512_add_ps(one16, e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(sx, _mm512_loadu_ps(b + i)));
+      }
+#endif
       for (; i + 8 <= F; i += 8) {
         const __m256 x = _mm256_loadu_ps(a + i);
         const __m256 sx = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_xor_ps(x, neg))));

@@ -2,8 +2,8 @@
 
 `probe(candidate, reference)` starts a child Python that imports both built modules (the
 candidate variant's and the avx2 baseline's), runs every int8 kernel (q4x8, q8x8, q4kx8,
-q6kx8, q5x8, q5kx8, quantize_rows_q8) and the dense ones on a small fixed random problem
-(`problem`) and compares the results byte for byte. The candidate is rejected when the
+q6kx8, q5x8, q5kx8, quantize_rows_q8), the dense ones, attention and silu_mul on a small
+fixed random problem (`problem`) and compares the results byte for byte. The candidate is rejected when the
 child dies by a signal (an instruction the CPU or the VM does not execute: SIGILL), exits
 non-zero, or any result differs. `cached_probe` keeps the verdict in a small JSON file
 beside the module, keyed by both build keys, so each build is probed once per machine
@@ -98,6 +98,9 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
         chunk[1][chunk[3][0, 20], 1, 5] = math.inf
     # the same two on float16 caches (the int8 formats' default pool: widened per key block)
     chunk16, step16 = (p[:1] + (p[1].half(), p[2].half()) + p[3:] for p in (chunk, step))
+    # silu_mul: 43 columns a half take the AVX-512 build's 16-lane loop, its 8-lane one and
+    # the scalar tail; x 30 reaches exp's clamps at -87.3 and 88.7
+    gu = torch.randn(rows, 86, generator=g) * 30
     return [
         ("q4x8_linear", lambda m: m.q4x8_linear(x, *q4)),
         ("q4x8_linear (Q4_0: no mins)",
@@ -110,6 +113,7 @@ def problem(rows: int, seed: int = 0, extremes: bool = False
          lambda m: m.q5x8_linear(x, *q5[:3], torch.empty(N, 0, dtype=torch.float16))),
         ("q5kx8_linear", lambda m: m.q5kx8_linear(x, *q5k)),
         ("quantize_rows_q8", lambda m: m.quantize_rows_q8(x)),
+        ("silu_mul", lambda m: m.silu_mul(gu)),
         ("f16_linear", lambda m: m.f16_linear(x, m.dense_pack(w.half()), N, None)),
         ("f32_linear", lambda m: m.f32_linear(x, m.dense_pack(w), N, None)),
         ("cached_attention (chunk)", lambda m: m.cached_attention(*chunk)),

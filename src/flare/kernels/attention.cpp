@@ -717,25 +717,30 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
 #else
   constexpr bool lanes = false;
 #endif
-  // zig-zag over the items, so the two halves a static split makes each get as many
-  // long (late) as short (early) causal rows
-  const auto item = [W](int64_t i) { return i % 2 == 0 ? i / 2 : W - 1 - i / 2; };
-  // Item w's first PREFETCH_KEYS K and V rows on their way into L2. A tile's passes
+  // The i-th work item a thread's range hands out: sequence b, KV head kh, tile ti of the
+  // sequence's positions. Zig-zag over the items, so the two halves a static split makes
+  // each get as many long (late) as short (early) causal rows.
+  struct Item {
+    int64_t b, kh, ti;
+  };
+  const auto item = [&](int64_t i) {
+    const int64_t w = i % 2 == 0 ? i / 2 : W - 1 - i / 2;
+    return Item{w / (KVH * tiles_per_seq), (w / tiles_per_seq) % KVH, w % tiles_per_seq};
+  };
+  // An item's first PREFETCH_KEYS K and V rows on their way into L2. A tile's passes
   // prefetch PREFETCH_KEYS keys ahead of where they read, so without this each item's
-  // first keys came from memory one miss after another, and 8 decode streams at a
-  // few hundred cached tokens, whose items are that short, spent most of attention
-  // waiting on them. Fetched one item ahead, decode attention of 8 streams ran 1.4-1.9x
-  // faster at 128 and 256 cached tokens, 1.0-1.2x at 64 (1 stream, long contexts and
-  // prefill chunks: the same; Zen 4 EPYC, 2 threads, float16 KV of 30 layers in random
-  // pages, as bench/bench_attention.py lays it out). No value changes.
-  const auto prefetch_start = [&](int64_t w) {
-    const int64_t b = w / (KVH * tiles_per_seq);
-    const int64_t kh = (w % (KVH * tiles_per_seq)) / tiles_per_seq;
-    const auto slot = slot_of(b);
-    const int64_t n = std::min<int64_t>(lengths[b], PREFETCH_KEYS);
+  // first keys came from memory one miss after another, and short items (8 decode
+  // streams at a few hundred cached tokens) are mostly that start. Fetched one item
+  // ahead, decode attention alone over 30 layers' float16 KV with L3 evicted between
+  // rounds (as a step's weights evict it) ran 1.3-1.6x faster at 128 and 256 cached
+  // tokens, 1.06x at 1,024, 1 stream at 1,024 1.09x; prefill chunks the same; a whole
+  // 8-stream step 1.00-1.03x (Zen 4 EPYC, 2 threads). No value changes.
+  const auto prefetch_start = [&](const Item& it) {
+    const auto slot = slot_of(it.b);
+    const int64_t n = std::min<int64_t>(lengths[it.b], PREFETCH_KEYS);
     for (int64_t j = 0; j < n; ++j) {
-      prefetch_row(kd + kh * D + slot(j) * KVH * D, D);
-      prefetch_row(vd + kh * D + slot(j) * KVH * D, D);
+      prefetch_row(kd + it.kh * D + slot(j) * KVH * D, D);
+      prefetch_row(vd + it.kh * D + slot(j) * KVH * D, D);
     }
   };
   const auto work = [&](int64_t w0, int64_t w1) {
@@ -747,11 +752,10 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
     std::vector<float> wide(std::is_same_v<T, uint16_t> && many_rows ? KEY_BLOCK * D : 0);
     std::vector<float> qt(lanes ? padded_rows * D : 0);
     for (int64_t i = w0; i < w1; ++i) {
-      if (i == w0) prefetch_start(item(i));
+      const Item it = item(i);
+      if (i == w0) prefetch_start(it);
       if (i + 1 < w1) prefetch_start(item(i + 1));  // while this item runs
-      const int64_t w = item(i);
-      const int64_t b = w / (KVH * tiles_per_seq), rest = w % (KVH * tiles_per_seq);
-      const int64_t kh = rest / tiles_per_seq, ti = rest % tiles_per_seq;
+      const int64_t b = it.b, kh = it.kh, ti = it.ti;
       const int64_t r0 = ti * rows_per_tile, r1 = std::min(R, r0 + rows_per_tile);
       Tile t;
       for (int64_t r = r0; r < r1; ++r)

@@ -3,11 +3,11 @@
 `probe(candidate, reference)` starts a child Python that imports both built modules (the
 candidate variant's and the avx2 baseline's), runs every int8 kernel (q4x8, q8x8, q4kx8,
 q6kx8, q5x8, q5kx8, quantize_rows_q8), the dense ones, attention and silu_mul on a small
-fixed random problem (`problem`) and compares the results byte for byte. The candidate is rejected when the
-child dies by a signal (an instruction the CPU or the VM does not execute: SIGILL), exits
-non-zero, or any result differs. `cached_probe` keeps the verdict in a small JSON file
-beside the module, keyed by both build keys, so each build is probed once per machine
-(`write_verdict` also records a variant whose build failed).
+fixed random problem (`problem`) and compares the results byte for byte. The candidate is
+rejected when the child dies by a signal (an instruction the CPU or the VM does not
+execute: SIGILL), exits non-zero, or any result differs. `cached_probe` keeps the verdict
+in a small JSON file beside the module, keyed by both build keys, so each build is probed
+once per machine (`write_verdict` also records a variant whose build failed).
 
 Test hook: $FLARE_KERNEL_PROBE_FAULT in the child's environment makes it fail on purpose
 after loading the modules: "ud2" executes an undefined instruction (a real SIGILL from

@@ -200,6 +200,20 @@ struct QuantizedRows {
   }
 };
 
+// Whether the int8 kernels prefetch their weights non-temporally (_MM_HINT_NTA) rather
+// than into every cache level (_MM_HINT_T0): set by set_weight_prefetch_nta, which
+// flare.kernels.weight_prefetch drives from the model's weight bytes against the
+// last-level cache (LLC). A decode step reads each weight once. Where the weights cannot
+// stay in the LLC anyway, NTA keeps them from displacing what can (the KV cache, the
+// activations): a ~100 MB model on a Zen 4 EPYC (32 MiB L3), 2 threads, bench/ab_builds.py
+// min of 6 rounds, NTA was 1.10-1.12x faster at batch 1 (embedded 4.13 -> 3.76 ms, Q4_K_M
+// 4.10 -> 3.67, Q6_K 6.67 -> 6.00) and 1.03-1.05x at 8 sequences. Where they fit, NTA
+// gives that away, as NTA lines are not kept in L2 and L3: the same models on a Xeon with
+// a 480 MiB L3 (as its VM reports it), NTA was 2.5-2.7x slower at batch 1 (embedded 3.85
+// -> 9.51 ms, Q6_K 5.79 -> 15.50) and 1.5x at 8 sequences (8.52 -> 12.75). A hint only:
+// the same bits either way. Set before the kernels run, read by each prefetch.
+bool weight_prefetch_nta = false;
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define FLARE_ZMM 1  // the AVX-512 variant: two groups per zmm register (Z16 below)
 #endif
@@ -249,16 +263,16 @@ struct Y8 {
   template <int n> static I sll32(I a) { return _mm256_slli_epi32(a, n); }
   static I mul32(I a, I b) { return _mm256_mullo_epi32(a, b); }
   static I zero() { return _mm256_setzero_si256(); }
-  // asks for the `bytes` at p (a multiple of 64) in L1, non-temporal (a hint, it never
-  // faults). A decode step reads each weight once, so the weights need not displace
-  // what stays in L2 and L3 (the KV cache, the activations): with _MM_HINT_T0, a step
-  // at batch 1 took 1.10-1.12x as long (bench/ab_builds.py, min of 6 rounds, Zen 4 EPYC,
-  // 2 threads: embedded 4.13 -> 3.76 ms, Q4_K_M 4.10 -> 3.67, Q6_K 6.67 -> 6.00), at 8
-  // sequences 1.03-1.05x; prefill 2,048 the same (a group's weights stay in L1 over its
-  // tiles of x rows)
+  // asks for the `bytes` at p (a multiple of 64) in L1, non-temporal or not as
+  // weight_prefetch_nta says (a hint, it never faults). Prefill is the same either way
+  // (a group's weights stay in L1 over its tiles of x rows).
   static void prefetch(const void* p, int64_t, int bytes) {
-    for (int o = 0; o < bytes; o += 64)
-      _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_NTA);
+    const char* c = static_cast<const char*>(p);
+    if (weight_prefetch_nta) {
+      for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_NTA);
+    } else {
+      for (int o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+    }
   }
 #ifdef FLARE_DPBUSD
   // acc + (per dword lane) the sum of the 4 products u8 u[j] x s8 s[j], in int32 (wraps,
@@ -1324,4 +1338,10 @@ void flare_register_qdot8(pybind11::module_& m) {
         pybind11::arg("rows"));
   m.def("zmm_min_rows", [] { return zmm_min_rows; },
         "the rows of x from which the AVX-512 variant's int8 kernels take zmm registers");
+  m.def("set_weight_prefetch_nta", [](bool nta) { weight_prefetch_nta = nta; },
+        "whether the int8 kernels prefetch their weights non-temporally (_MM_HINT_NTA) "
+        "or into every cache level (_MM_HINT_T0); a hint only, the same bits either way",
+        pybind11::arg("nta"));
+  m.def("weight_prefetch_nta", [] { return weight_prefetch_nta; },
+        "whether the int8 kernels prefetch their weights non-temporally");
 }

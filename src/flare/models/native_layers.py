@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flare.kernels import weight_prefetch
 from flare.models.attention import AttentionBatch, fused_attention_fits
 from flare.models.quant.interleaved import Q4x8Weight, Q8x8Weight
 from flare.models.quant.kquants import Q4Kx8Weight, Q6Kx8Weight
@@ -71,13 +72,17 @@ def native_layers(model: Any) -> Any | None:
     no fused ops (`model.fused_ops` is None), more query heads a KV head than the fused
     attention takes (`fused_attention_fits`), a layer's linear of an uncovered kind (see
     the module docstring), or $FLARE_NATIVE_LAYERS=0. Its `has_lm_head` says whether it
-    also holds `model.lm_head` (a covered kind) for `native_forward(..., rows=)`."""
+    also holds `model.lm_head` (a covered kind) for `native_forward(..., rows=)`.
+    Building one sets the kernels' weight prefetch hint for the bytes its linears hold
+    (`flare.kernels.weight_prefetch`)."""
     ops = model.fused_ops
     if (ops is None or not model.layers or not hasattr(ops, "DenseLayers")
             or not fused_attention_fits(model.num_heads, model.num_kv_heads)
             or os.environ.get("FLARE_NATIVE_LAYERS", "1").strip() == "0"):
         return None
     layers = []
+    lm_head = linear_spec(model.lm_head)
+    weight_bytes = spec_bytes(lm_head)
     for layer in model.layers:
         specs = [linear_spec(lin) for lin in (layer.qkv, layer.o_proj, layer.gate_up,
                                               layer.down)]
@@ -86,9 +91,21 @@ def native_layers(model: Any) -> Any | None:
         qkv, o_proj, gate_up, down = specs
         layers.append((layer.input_norm, qkv, layer.qk_norm, o_proj, layer.post_norm,
                        gate_up, down))
+        weight_bytes += sum(map(spec_bytes, specs))
+    weight_prefetch.apply(ops, weight_bytes)
     return ops.DenseLayers(layers, model.final_norm, model.cos, model.sin_signed,
                            model.num_heads, model.num_kv_heads, model.eps, model.scale,
-                           linear_spec(model.lm_head))
+                           lm_head)
+
+
+def spec_bytes(spec: LinearSpec | None) -> int:
+    """The bytes a step reads of the linear `spec` describes (its tensors, its bias and its
+    parts'), 0 for None."""
+    if spec is None:
+        return 0
+    _, tensors, _, bias, parts = spec
+    return (sum(t.nbytes for t in tensors) + (0 if bias is None else bias.nbytes)
+            + sum(map(spec_bytes, parts)))
 
 
 def native_embedding(embed: Any, ops: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:

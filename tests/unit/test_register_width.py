@@ -48,12 +48,18 @@ def test_measured_once_kept_under_the_build_key_and_remeasured_for_another(tmp_p
     assert module.zmm_min_rows() == before  # measuring leaves the module's setting alone
     saved = json.loads(record.read_text())
     assert saved["key"] == "key-a" and saved["zmm_min_rows"] == rows
+    assert saved["weight_bytes"] == register_width.WEIGHT_BYTES
     assert rows in (*register_width.ROW_COUNTS, register_width.ABOVE_ALL)
     assert sorted(saved["zmm_over_ymm"]) == sorted(str(r) for r in register_width.ROW_COUNTS)
     assert all(q > 0 for q in saved["zmm_over_ymm"].values())
     # the same key reads the record (a value that was not measured proves it is read) ...
     record.write_text(json.dumps({**saved, "zmm_min_rows": 3}))
     assert register_width.zmm_min_rows(module, record, "key-a") == 3
+    # ... one measured over other weight bytes (45 MiB, before 192) is measured again ...
+    record.write_text(json.dumps({**saved, "zmm_min_rows": 3, "weight_bytes": 45 << 20}))
+    assert register_width.zmm_min_rows(module, record, "key-a") in (
+        *register_width.ROW_COUNTS, register_width.ABOVE_ALL)
+    assert json.loads(record.read_text())["weight_bytes"] == register_width.WEIGHT_BYTES
     # ... another build's key measures again and keeps its own answer
     again = register_width.zmm_min_rows(module, record, "key-b")
     assert json.loads(record.read_text())["key"] == "key-b"

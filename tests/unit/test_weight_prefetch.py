@@ -1,6 +1,7 @@
 """The int8 kernels' weight prefetch hint (`flare.kernels.weight_prefetch`): non-temporal only
-for weights larger than the last-level cache, read from sysfs; the same bytes out of every
-kernel with either hint; and a model's native layers set it for their own bytes."""
+on AMD for weights larger than the last-level cache (read from sysfs, the vendor from
+/proc/cpuinfo); the same bytes out of every kernel with either hint; and a model's native
+layers set it for their own bytes."""
 
 from __future__ import annotations
 
@@ -20,12 +21,26 @@ needs_kernels = pytest.mark.skipif(K.qgemm_problem() is not None,
                                    reason=f"Flare's kernels: {K.qgemm_problem()}")
 
 
-def test_non_temporal_only_for_weights_larger_than_the_llc():
-    mib = 1 << 20
-    assert weight_prefetch.non_temporal(100 * mib, 32 * mib)  # the Zen 4: cannot fit
-    assert not weight_prefetch.non_temporal(100 * mib, 480 * mib)  # the Xeon: they fit
-    assert not weight_prefetch.non_temporal(32 * mib, 32 * mib)
-    assert not weight_prefetch.non_temporal(100 * mib, None)  # unknown LLC: T0
+def test_non_temporal_only_on_amd_for_weights_larger_than_the_llc():
+    mib, amd, intel = 1 << 20, "AuthenticAMD", "GenuineIntel"
+    assert weight_prefetch.non_temporal(100 * mib, 32 * mib, amd)  # the Zen 4: cannot fit
+    assert not weight_prefetch.non_temporal(100 * mib, 480 * mib, amd)
+    assert not weight_prefetch.non_temporal(32 * mib, 32 * mib, amd)
+    assert not weight_prefetch.non_temporal(100 * mib, None, amd)  # unknown LLC: T0
+    # an Intel core keeps NTA lines in L1 alone: T0 whatever the sizes (the Xeon)
+    assert not weight_prefetch.non_temporal(100 * mib, 480 * mib, intel)
+    assert not weight_prefetch.non_temporal(800 * mib, 480 * mib, intel)
+    assert not weight_prefetch.non_temporal(100 * mib, 32 * mib, None)
+
+
+def test_the_vendor_is_cpuinfos_first_vendor_id(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+                       "processor\t: 1\nvendor_id\t: AuthenticAMD\n")
+    assert weight_prefetch.cpu_vendor(cpuinfo) == "AuthenticAMD"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # an arm64 cpuinfo: none
+    assert weight_prefetch.cpu_vendor(cpuinfo) is None
+    assert weight_prefetch.cpu_vendor(tmp_path / "absent") is None
 
 
 @pytest.mark.parametrize("text, size", [("491520K", 491520 << 10), ("32M", 32 << 20),
@@ -84,14 +99,17 @@ def test_every_int8_linear_gives_the_same_bytes_with_either_hint(rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("llc_bytes, nta", [(None, False), (1 << 40, False), (1024, True)])
-def test_native_layers_set_the_hint_for_their_weight_bytes(tiny_llama, monkeypatch,
+@pytest.mark.parametrize("vendor, llc_bytes, nta", [
+    ("AuthenticAMD", None, False), ("AuthenticAMD", 1 << 40, False),
+    ("AuthenticAMD", 1024, True), ("GenuineIntel", 1024, False)])
+def test_native_layers_set_the_hint_for_their_weight_bytes(tiny_llama, monkeypatch, vendor,
                                                            llc_bytes, nta):
     """A 2-layer model's linears against an LLC that holds them, none known, and one of 1 KiB
-    (another CPU's sysfs, the only stand-in here: this machine's LLC is what it is)."""
+    (another CPU's cpuinfo and sysfs, the only stand-in here: this machine is what it is)."""
     module = K.qgemm()
     before = module.weight_prefetch_nta()
     monkeypatch.setattr(weight_prefetch, "last_level_cache_bytes", lambda: llc_bytes)
+    monkeypatch.setattr(weight_prefetch, "cpu_vendor", lambda: vendor)
     plan = make_plan(tiny_llama.config, max_seq_len=64, max_num_seqs=1, max_batch_tokens=16,
                      page_size=16)
     engine = Engine(tiny_llama.config, plan, convert_tensors(tiny_llama.tensors, "q4x8"),

@@ -202,16 +202,13 @@ struct QuantizedRows {
 
 // Whether the int8 kernels prefetch their weights non-temporally (_MM_HINT_NTA) rather
 // than into every cache level (_MM_HINT_T0): set by set_weight_prefetch_nta, which
-// flare.kernels.weight_prefetch drives from the model's weight bytes against the
-// last-level cache (LLC). A decode step reads each weight once. Where the weights cannot
-// stay in the LLC anyway, NTA keeps them from displacing what can (the KV cache, the
-// activations): a ~100 MB model on a Zen 4 EPYC (32 MiB L3), 2 threads, bench/ab_builds.py
-// min of 6 rounds, NTA was 1.10-1.12x faster at batch 1 (embedded 4.13 -> 3.76 ms, Q4_K_M
-// 4.10 -> 3.67, Q6_K 6.67 -> 6.00) and 1.03-1.05x at 8 sequences. Where they fit, NTA
-// gives that away, as NTA lines are not kept in L2 and L3: the same models on a Xeon with
-// a 480 MiB L3 (as its VM reports it), NTA was 2.5-2.7x slower at batch 1 (embedded 3.85
-// -> 9.51 ms, Q6_K 5.79 -> 15.50) and 1.5x at 8 sequences (8.52 -> 12.75). A hint only:
-// the same bits either way. Set before the kernels run, read by each prefetch.
+// flare.kernels.weight_prefetch drives from the CPU's vendor, the model's weight bytes and
+// the last-level cache. A decode step reads each weight once. On a Zen 4 EPYC (32 MiB L3),
+// NTA kept a ~100 MB model's weights from displacing the KV cache and activations: a step
+// at batch 1 1.10-1.12x faster. On a Xeon, NTA was slower at every size (a step of the same
+// models at batch 1 2.5-2.7x slower: an Intel core fetches NTA lines into L1 alone).
+// Figures in weight_prefetch.py. A hint only: the same bits either way. Set before the
+// kernels run, read by each prefetch.
 bool weight_prefetch_nta = false;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)

@@ -10,8 +10,8 @@ EPYC, Y8 was 1.28x (1 sequence), 1.18x (2) and 1.10x (4) faster (`bench/ab_build
 CPU's name:
 
 `zmm_min_rows(module, record, key)` times `q4x8_linear` over `WEIGHT_BYTES` of weights in
-layer-sized matrices (more than a server CPU's L3 of a few dozen MiB, so they come from
-memory as a decode step's do) at each of `ROW_COUNTS` rows of x, the two widths back to
+layer-sized matrices (more than a server CPU's L3 holds, so they come from memory as a
+decode step's do) at each of `ROW_COUNTS` rows of x, the two widths back to
 back for `ROUNDS` rounds (the median ratio of their times kept), and takes the smallest
 row count from which Z16 keeps up at every measured count (within `MARGIN`: Y8 must win
 clearly to be chosen). On the Zen 4 (2 threads), five fresh processes measured Z16 / Y8
@@ -40,9 +40,14 @@ log = logging.getLogger(__name__)
 ROW_COUNTS = (1, 2, 4, 8)  # decode batches the choice is made for
 ABOVE_ALL = 16  # zmm_min_rows when Y8 wins at every measured count (Z16 from 16 rows)
 # Matrices of 2,048 x 1,024 q4 weights (1 MiB of codes each, a mid-sized model's layer
-# linear): 40 of them, 45 MiB with their scales and mins.
+# linear): 153 of them, 192 MiB with their scales and mins. 45 MiB was more than a Zen 4's
+# 32 MiB L3, but a Xeon (480 MiB of L3 as its VM reports it) held it: q4x8 read 48 GB/s
+# at one row, against 28 at 150 MiB and 22 at 800, and Z16 / Y8 came out 1.03-1.09 at one
+# row, choosing Y8, while whole decode steps of ~100 MB models were faster with Z16
+# (1.06x embedded, 1.10x Q4_K_M, 1.16x Q6_K at batch 1). At 96 MiB it measured 0.97, at
+# 192 MiB 0.90 (about 2 s on 2 threads, once per build and machine).
 SHAPE = (2048, 1024)
-WEIGHT_BYTES = 45 << 20
+WEIGHT_BYTES = 192 << 20
 ROUNDS = 15
 WARM_UP_S = 0.4
 MARGIN = 0.02  # Y8 is chosen at a row count only when at least 2% faster there
@@ -119,16 +124,17 @@ def choose(ratios: dict[int, float], margin: float = MARGIN) -> int:
 
 def zmm_min_rows(module: ModuleType, record: Path, key: str) -> int:
     """The rows of x from which `module` (an AVX-512 build, key `key`) should take Z16 on
-    this machine: read from the JSON file `record` when it was measured for `key`, else
-    measured (`measure`, about a second) and saved there. A record that cannot be written
-    only makes the next process measure again.
+    this machine: read from the JSON file `record` when it was measured for `key` over
+    `WEIGHT_BYTES`, else measured (`measure`, about 2 s) and saved there. A record that
+    cannot be written only makes the next process measure again.
 
     Raises:
         AttributeError: the module has no `set_zmm_min_rows` (a build older than it).
     """
     try:
         saved = json.loads(record.read_text())
-        if saved.get("key") == key and int(saved["zmm_min_rows"]) >= 1:
+        if (saved.get("key") == key and saved.get("weight_bytes") == WEIGHT_BYTES
+                and int(saved["zmm_min_rows"]) >= 1):
             return int(saved["zmm_min_rows"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
@@ -138,7 +144,7 @@ def zmm_min_rows(module: ModuleType, record: Path, key: str) -> int:
              "(Z16 / Y8 time at each row count: %s)", rows, ratios)
     try:
         write_text_atomic(record, json.dumps({
-            "key": key, "zmm_min_rows": rows,
+            "key": key, "weight_bytes": WEIGHT_BYTES, "zmm_min_rows": rows,
             "zmm_over_ymm": {str(r): round(q, 4) for r, q in ratios.items()}}) + "\n")
     except OSError:
         pass

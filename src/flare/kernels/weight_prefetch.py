@@ -1,21 +1,22 @@
-"""Which prefetch hint the int8 kernels give their weights, from the model's size and the CPU's
-last-level cache (LLC).
+"""Which prefetch hint the int8 kernels give their weights, from the CPU's vendor, the model's
+size and the last-level cache (LLC).
 
 A decode step reads every weight once. The kernels prefetch the weights ahead of their reads
 (qdot8.cpp, `weight_prefetch_nta`), either non-temporally (`_MM_HINT_NTA`) or into every
-cache level (`_MM_HINT_T0`), and which is faster depends on whether the weights fit in the
-LLC, so that the next step finds them there:
+cache level (`_MM_HINT_T0`). Measured (2 threads):
 
-- they do not fit (a ~100 MB model on a Zen 4 EPYC with a 32 MiB L3): NTA keeps them from
+- AMD Zen 4 EPYC (32 MiB L3), ~100 MB models that cannot stay in it: NTA keeps them from
   displacing what does stay (the KV cache, the activations); a step at batch 1 was
-  1.10-1.12x faster with it;
-- they fit (the same models on a Xeon whose VM reports a 480 MiB L3): NTA lines are not
-  kept in L2 and L3, so every step reads the weights from memory again; a step at batch 1
-  was 2.5-2.7x slower with it, at 8 sequences 1.5x (`bench/ab_builds.py`, 2 threads).
+  1.10-1.12x faster with it, at 8 sequences 1.03-1.05x (`bench/ab_builds.py`).
+- Intel Xeon (480 MiB of L3 as its VM reports it): NTA was slower at every size, as an
+  Intel core fetches NTA lines into L1 alone. Whole steps of the same models: 2.5-2.7x
+  slower at batch 1, 1.5x at 8 sequences. `q4x8_linear` alone over 150 MiB of weights:
+  28.0 against 21.4 GB/s at one row of x (T0 against NTA), 18.9 against 11.7 at 8 rows;
+  over 800 MiB, more than the LLC: 21.7 against 18.3, and 15.9 against 9.6.
 
-So `non_temporal` asks for NTA only when the weights are larger than the LLC: a wrong NTA
-costs far more than a wrong T0. Where sysfs does not tell the LLC's size, T0. The hint
-changes no value (a prefetch never does), so this chooses speed only.
+So `non_temporal` asks for NTA only on an AMD CPU (vendor "AuthenticAMD") and for weights
+larger than its LLC; anywhere else, or where /proc/cpuinfo or sysfs do not say, T0. The
+hint changes no value (a prefetch never does), so this chooses speed only.
 """
 
 from __future__ import annotations
@@ -58,11 +59,24 @@ def last_level_cache_bytes(root: Path = CACHE_SYSFS) -> int | None:
     return None if best is None else best[1]
 
 
-def non_temporal(weight_bytes: int, llc_bytes: int | None) -> bool:
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first `vendor_id` in `cpuinfo` ("GenuineIntel", "AuthenticAMD"), or None where
+    there is none or the file cannot be read."""
+    try:
+        with cpuinfo.open() as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip() or None
+    except OSError:
+        pass
+    return None
+
+
+def non_temporal(weight_bytes: int, llc_bytes: int | None, vendor: str | None) -> bool:
     """Whether weights of `weight_bytes` bytes, streamed once a decode step, should be
-    prefetched non-temporally on a CPU whose LLC holds `llc_bytes` (None: unknown): only
-    when they cannot fit in it."""
-    return llc_bytes is not None and weight_bytes > llc_bytes
+    prefetched non-temporally on a CPU of `vendor` whose LLC holds `llc_bytes` (None:
+    unknown): only on AMD, and only when they cannot fit in the LLC."""
+    return vendor == "AuthenticAMD" and llc_bytes is not None and weight_bytes > llc_bytes
 
 
 def apply(module: ModuleType, weight_bytes: int) -> bool:
@@ -72,9 +86,9 @@ def apply(module: ModuleType, weight_bytes: int) -> bool:
     hint is the module's, one for the process: the model loaded last sets it."""
     if not hasattr(module, "set_weight_prefetch_nta"):
         return False
-    llc = last_level_cache_bytes()
-    nta = non_temporal(weight_bytes, llc)
+    llc, vendor = last_level_cache_bytes(), cpu_vendor()
+    nta = non_temporal(weight_bytes, llc, vendor)
     module.set_weight_prefetch_nta(nta)
-    log.debug("weights %.1f MiB, LLC %s bytes: %s weight prefetch", weight_bytes / 2**20,
-              llc, "non-temporal" if nta else "T0")
+    log.debug("weights %.1f MiB, %s LLC %s bytes: %s weight prefetch", weight_bytes / 2**20,
+              vendor, llc, "non-temporal" if nta else "T0")
     return nta

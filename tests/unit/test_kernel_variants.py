@@ -44,6 +44,18 @@ def test_each_variant_and_each_cpu_has_its_own_key_and_folder(monkeypatch):
     assert "-mavx512vnni" in K.variant_cflags("avx512vnni")
 
 
+def test_every_header_the_sources_include_is_in_the_key():
+    """A header's bytes are in the cache key (build.HEADERS), so a change to one builds
+    anew: every `#include "..."` of the sources and headers names one of them."""
+    from flare.kernels import build
+
+    files = build.SOURCES + build.HEADERS
+    included = {line.split('"')[1] for f in files for line in f.read_text().splitlines()
+                if line.startswith('#include "')}
+    assert included, "no local includes found"
+    assert included <= {h.name for h in build.HEADERS}, included - {h.name for h in build.HEADERS}
+
+
 def test_candidates_follow_the_cpu_flags():
     base = frozenset(BASE.split())
     avx512 = base | frozenset(AVX512.split())

@@ -2,7 +2,8 @@
 kernels/layers.cpp): the engine's fp32 logits are bit-identical (`torch.equal`) to the
 Python fused path's (`LlamaModel._forward_fused`'s per-op loop, then `LlamaModel.logits`),
 step by step, for prefill chunks of 1, 7 and 64 tokens, decode at batch 1 and at batch 5
-over different lengths (mixed with prefill chunks), on 1 and 2 threads.
+over different lengths (mixed with prefill chunks), on 1 and 2 threads (on 2, a decode
+step of an int8 model runs as one team of threads, kernels/team.h).
 
 Models: the embedded SmolLM2 (its default `q4x8`), a tiny random Llama and the tiny
 random Qwen3 (per-head q/k norm) in `q4x8`, `q8x8` and `full` (dense panels), a tiny
@@ -157,3 +158,22 @@ def test_k_quant_and_q5_files(make_kx8, threads, native_calls):
     _compare(make_kx8, {"x": PROMPT}, 7, 1, f"chunk 7, {threads} threads")
     _compare(make_kx8, BATCH, 64, 5, f"batch 5, {threads} threads")
     _all_native(native_calls)
+
+
+
+def _runs_as_team(request, maker, fixture: str) -> None:
+    name, fmt = request.node.callspec.params[fixture]
+    native = maker(64, 5, native=True).model.native
+    assert native.decodes_as_team == (fmt != "full"), f"{name} in {fmt}"
+
+
+def test_decode_steps_run_as_one_team(request, make):
+    """A decode step of an int8 model runs its layers as one team of threads (team.h:
+    biases included), so the 2-thread comparisons above check the team's results against
+    the Python path; dense panels keep one region a kernel."""
+    _runs_as_team(request, make, "make")
+
+
+def test_k_quant_decode_steps_run_as_one_team(request, make_kx8):
+    """The same for the K-quant mixes, whose q/k/v parts are stacked."""
+    _runs_as_team(request, make_kx8, "make_kx8")

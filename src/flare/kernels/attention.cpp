@@ -57,6 +57,7 @@
 #include "simd.h"
 #include "ops.h"
 #include "checks.h"
+#include "team.h"
 
 #include <algorithm>
 #include <cmath>
@@ -770,8 +771,10 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
                   pstride, wide.data(), qt.data());
     }
   };
-  // decode over a short context: less work than a thread handoff costs
-  if (W <= 1 || B * R * H * nmax < PARALLEL_MIN_WORK) work(0, W);
+  // decode over a short context: less work than a thread handoff costs (in a decode team
+  // the handoff is a barrier the step needs anyway, so the items always split)
+  if (flare_team::active()) flare_team::for_range(0, W, 1, work);
+  else if (W <= 1 || B * R * H * nmax < PARALLEL_MIN_WORK) work(0, W);
   else at::parallel_for(0, W, 1, work);
 }
 

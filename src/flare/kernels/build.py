@@ -23,7 +23,7 @@ SOURCES = [Path(__file__).with_name(n) for n in ("qgemm.cpp", "qdot8.cpp", "fuse
 SOURCE = SOURCES[0]  # the module's main file (its PYBIND11_MODULE)
 # included by the sources (their bytes are in the kernel cache key too)
 HEADERS = [Path(__file__).with_name(n) for n in ("simd.h", "qrows.h", "ops.h", "checks.h",
-                                                 "amx.h")]
+                                                 "amx.h", "team.h")]
 # -fopenmp: at::parallel_for is a header template that splits work with `#pragma omp
 # parallel`; compiled without OpenMP it runs every call on one thread. The module then
 # needs libgomp.so.1, which resolves to the copy torch has already loaded (same soname),

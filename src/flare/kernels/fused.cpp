@@ -40,6 +40,7 @@
 #include "simd.h"
 #include "ops.h"
 #include "checks.h"
+#include "team.h"
 
 #include <cmath>
 #include <cstring>
@@ -88,8 +89,14 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum_squares(x, n) / static_cast<float>(n) + eps);
 }
 
+// Rows [0, T) in tasks of `grain` rows; in a decode team (team.h), a row a task, as the
+// team's barrier is the only handoff.
 template <typename F>
 void for_rows(int64_t T, int64_t grain, F f) {
+  if (flare_team::active()) {
+    flare_team::for_range(0, T, 1, f);
+    return;
+  }
   if (T <= grain) {  // decode: no thread handoff
     f(0, T);
     return;

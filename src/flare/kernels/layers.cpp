@@ -38,14 +38,26 @@
 // kernels write them in place (their `out` arguments, ops.h); a layer whose widths differ
 // from layer 0's gets new tensors instead.
 //
-// Threads: each kernel splits its own work with at::parallel_for (one OpenMP region per
-// kernel that asks for one, as on the Python path; decode's small ops stay on the calling
-// thread). The GIL is released for the whole step.
+// Threads: a decode step of several sequences (no prompt chunk, 2 to 16 rows) of a model
+// whose layers all fit the step's buffers runs every layer inside one OpenMP region, its
+// threads a team (team.h): each kernel takes its share and ends in a barrier, so there is
+// one fork and join a step rather than one a kernel, and the small row ops (norms, SiLU,
+// x's quantization at 8 rows) split too (8 sequences: a step 1.02-1.08x faster).
+// Otherwise each kernel splits its own work with at::parallel_for (one region per kernel
+// that asks for one, as on the Python path; decode's small ops stay on the calling
+// thread). Either way the same values: a split
+// never changes one. The GIL is released for the whole step.
 
 #include <torch/extension.h>
+#include <ATen/ThreadLocalState.h>
+#include <omp.h>
 
 #include "ops.h"
+#include "team.h"
 
+#include <algorithm>
+#include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -90,11 +102,43 @@ LinearSpec parse_linear(const py::handle& obj) {
   return s;
 }
 
-// y = x W^T (+ b), as Linear.__call__ runs this weight (x contiguous). The int8 kinds
-// write y into `out` [B, N] when given; the others (float panels, stacked parts) return
-// a new tensor, so the caller uses what this returns.
 torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
-                     const c10::optional<torch::Tensor>& out = c10::nullopt) {
+                     const c10::optional<torch::Tensor>& out = c10::nullopt,
+                     const std::vector<torch::Tensor>* part_bufs = nullptr);
+
+// A stacked linear in a decode team (team.h), whose members must not allocate: part i
+// into part_bufs[i] (flat, at least T x its width), then the parts' columns side by side
+// into out [T, N], rows split over the team.
+torch::Tensor stacked_in_team(const LinearSpec& s, const torch::Tensor& x,
+                              const torch::Tensor& out,
+                              const std::vector<torch::Tensor>& part_bufs) {
+  const int64_t T = x.size(0), N = out.size(1);
+  std::vector<torch::Tensor> ys;
+  for (size_t i = 0; i < s.parts.size(); ++i) {
+    const int64_t n = s.parts[i].n;
+    ys.push_back(linear(s.parts[i], x, part_bufs[i].narrow(0, 0, T * n).view({T, n})));
+  }
+  float* o = out.data_ptr<float>();
+  flare_team::for_range(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t col = 0;
+      for (const auto& y : ys) {
+        const int64_t n = y.size(1);
+        std::memcpy(o + t * N + col, y.data_ptr<float>() + t * n, n * sizeof(float));
+        col += n;
+      }
+    }
+  });
+  return out;
+}
+
+// y = x W^T (+ b), as Linear.__call__ runs this weight (x contiguous). The int8 kinds
+// write y into `out` [B, N] when given, and so does a stacked linear in a decode team
+// (its parts through part_bufs); the others (float panels, stacked parts) return a new
+// tensor, so the caller uses what this returns.
+torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
+                     const c10::optional<torch::Tensor>& out,
+                     const std::vector<torch::Tensor>* part_bufs) {
   const auto& t = s.t;
   torch::Tensor y;
   switch (s.kind) {
@@ -109,6 +153,10 @@ torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
       y = flare_ops::q5kx8_linear(x, t[0], t[1], t[2], t[3], t[4], t[5], out);
       break;
     case Kind::STACKED: {
+      if (flare_team::active()) {
+        y = stacked_in_team(s, x, *out, *part_bufs);
+        break;
+      }
       std::vector<torch::Tensor> ys;
       ys.reserve(s.parts.size());
       for (const auto& p : s.parts) ys.push_back(linear(p, x));
@@ -116,7 +164,15 @@ torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
       break;
     }
   }
-  if (s.bias.has_value()) y.add_(*s.bias);
+  if (!s.bias.has_value()) return y;
+  if (!flare_team::active()) return y.add_(*s.bias);
+  const int64_t N = y.size(1);  // a team adds the bias a row a member, in place
+  float* yd = y.data_ptr<float>();
+  const float* bd = s.bias->data_ptr<float>();
+  flare_team::for_range(0, y.size(0), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t r = t0; r < t1; ++r)
+      for (int64_t j = 0; j < N; ++j) yd[r * N + j] += bd[j];
+  });
   return y;
 }
 
@@ -125,6 +181,22 @@ struct Layer {
   c10::optional<torch::Tensor> qk_norm;
   LinearSpec qkv, o_proj, gate_up, down;
 };
+
+// Rows a step may have to run as a team: decode of 2 to 16 sequences. At one row the
+// team measured no faster (bench/ab_builds.py, Xeon, 2 threads: the embedded model's
+// step 3.18 against 3.20 ms, Q4_K_M's 3.33 against 3.51, whose stacked q/k/v adds a
+// copy), as most of a batch-1 step's ops are one row on one thread either way; the int8
+// kernels' AMX tiles, from 32 rows on, split with at::parallel_for outside teams.
+constexpr int64_t TEAM_MIN_ROWS = 2, TEAM_MAX_ROWS = 16;
+
+// Whether a team can run a linear (a team's members must not allocate): an int8 kind,
+// which writes the caller's buffer, or a stacked linear of them (stacked_in_team).
+bool runs_in_team(const LinearSpec& s) {
+  if (s.kind == Kind::F16 || s.kind == Kind::F32) return false;
+  return std::all_of(s.parts.begin(), s.parts.end(), [](const LinearSpec& p) {
+    return p.kind != Kind::STACKED && runs_in_team(p);
+  });
+}
 
 class DenseLayers {
  public:
@@ -150,10 +222,26 @@ class DenseLayers {
       l.down = parse_linear(tup[6]);
       layers_.push_back(std::move(l));
     }
+    const Layer& l0 = layers_[0];
+    team_ok_ = std::all_of(layers_.begin(), layers_.end(), [&](const Layer& l) {
+      return runs_in_team(l.qkv) && runs_in_team(l.o_proj) && runs_in_team(l.gate_up) &&
+             runs_in_team(l.down) && l.qkv.n == l0.qkv.n && l.o_proj.n == l0.o_proj.n &&
+             l.gate_up.n == l0.gate_up.n && l.down.n == l0.down.n;
+    });
+    // the widest part i of any stacked linear: the team's part buffers
+    for (const Layer& l : layers_)
+      for (const LinearSpec* s : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
+        for (size_t i = 0; i < s->parts.size(); ++i) {
+          if (part_widths_.size() <= i) part_widths_.push_back(0);
+          part_widths_[i] = std::max(part_widths_[i], s->parts[i].n);
+        }
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool has_lm_head() const { return lm_head_.has_value(); }
+  // whether decode steps of TEAM_MIN_ROWS to TEAM_MAX_ROWS rows run as one team (with 2+
+  // threads)
+  bool decodes_as_team() const { return team_ok_; }
 
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& positions,
                         const torch::Tensor& slots, const torch::Tensor& k,
@@ -201,34 +289,65 @@ class DenseLayers {
     const auto rows = [T](const torch::Tensor& t, int64_t s, int64_t n) {
       return s == 0 && n == T ? t : t.slice(0, s, s + n);
     };
-    for (int64_t i = 0; i < L; ++i) {
-      const Layer& l = layers_[i];
-      torch::Tensor kc = k.select(0, i), vc = v.select(0, i);
-      // [T, (H + 2 KVH) * D]
-      const auto qkv = linear(l.qkv, y, fits(qkv_buf, l.qkv.n)).contiguous();
-      const auto q = flare_ops::rope_store(qkv, cos_, sin_, positions, kc, vc, slots, H_,
-                                           KVH_, l.qk_norm, eps_, q_buf);  // [T, H, D]
-      // paged_attention with the fused ops: one kernel call per group, each writing its
-      // rows of o_buf in place
-      if (decode_kind == 1)
-        flare_ops::decode_attention(rows(q, 0, 1), kc, vc, decode_span, decode_len, scale_,
-                                    rows(o_buf, 0, 1));
-      else if (decode_kind == 2)
-        flare_ops::decode_attention_gather(rows(q, 0, decode_rows), kc, vc, *decode_gather,
-                                           *decode_lengths, scale_, rows(o_buf, 0, decode_rows));
-      for (size_t c = 0; c < chunk_starts.size(); ++c) {
-        const int64_t s = chunk_starts[c], t = chunk_lens[c];
-        flare_ops::cached_attention(rows(q, s, t), kc, vc, chunk_gathers[c], chunk_ctx[c], t,
-                                    scale_, rows(o_buf, s, t));
+    std::vector<torch::Tensor> part_bufs;  // a team's stacked linears' parts (flat)
+    // every layer from y (the first layer's input norm); returns the final norm's output
+    // (y's buffer, written in place)
+    const auto run_layers = [&](torch::Tensor y) {
+      for (int64_t i = 0; i < L; ++i) {
+        const Layer& l = layers_[i];
+        torch::Tensor kc = k.select(0, i), vc = v.select(0, i);
+        // [T, (H + 2 KVH) * D]
+        const auto qkv = linear(l.qkv, y, fits(qkv_buf, l.qkv.n), &part_bufs).contiguous();
+        const auto q = flare_ops::rope_store(qkv, cos_, sin_, positions, kc, vc, slots, H_,
+                                             KVH_, l.qk_norm, eps_, q_buf);  // [T, H, D]
+        // paged_attention with the fused ops: one kernel call per group, each writing its
+        // rows of o_buf in place
+        if (decode_kind == 1)
+          flare_ops::decode_attention(rows(q, 0, 1), kc, vc, decode_span, decode_len, scale_,
+                                      rows(o_buf, 0, 1));
+        else if (decode_kind == 2)
+          flare_ops::decode_attention_gather(rows(q, 0, decode_rows), kc, vc, *decode_gather,
+                                             *decode_lengths, scale_, rows(o_buf, 0, decode_rows));
+        for (size_t c = 0; c < chunk_starts.size(); ++c) {
+          const int64_t s = chunk_starts[c], t = chunk_lens[c];
+          flare_ops::cached_attention(rows(q, s, t), kc, vc, chunk_gathers[c], chunk_ctx[c], t,
+                                      scale_, rows(o_buf, s, t));
+        }
+        const auto proj = linear(l.o_proj, o2, fits(proj_buf, l.o_proj.n), &part_bufs).contiguous();
+        y = flare_ops::add_rms_norm(x, proj, l.post_norm, eps_, y);
+        const auto gu = linear(l.gate_up, y, fits(gu_buf, l.gate_up.n), &part_bufs).contiguous();
+        const auto act = flare_ops::silu_mul(gu, fits(act_buf, gu.size(1) / 2));
+        const auto m = linear(l.down, act, fits(m_buf, l.down.n), &part_bufs).contiguous();
+        const auto& nxt = i + 1 < L ? layers_[i + 1].input_norm : final_norm_;
+        y = flare_ops::add_rms_norm(x, m, nxt, eps_, y);  // x += m; the next norm's output
       }
-      const auto proj = linear(l.o_proj, o2, fits(proj_buf, l.o_proj.n)).contiguous();
-      y = flare_ops::add_rms_norm(x, proj, l.post_norm, eps_, y);
-      const auto gu = linear(l.gate_up, y, fits(gu_buf, l.gate_up.n)).contiguous();
-      const auto act = flare_ops::silu_mul(gu, fits(act_buf, gu.size(1) / 2));
-      const auto m = linear(l.down, act, fits(m_buf, l.down.n)).contiguous();
-      const auto& nxt = i + 1 < L ? layers_[i + 1].input_norm : final_norm_;
-      y = flare_ops::add_rms_norm(x, m, nxt, eps_, y);  // x += m; the next norm's output
+      return y;
+    };
+    const int threads = at::get_num_threads();
+    if (!team_ok_ || !chunk_starts.empty() || T < TEAM_MIN_ROWS || T > TEAM_MAX_ROWS ||
+        threads < 2 || at::in_parallel_region())
+      return run_layers(y);
+    // x's quantized rows, shared by the team's members (the widest x a linear takes)
+    // (a pointer: inside the region the thread_local's name is each member's own)
+    thread_local flare_team::RowBuffers team_rows;
+    flare_team::RowBuffers* const rows_of_x = &team_rows;
+    const int64_t widest = std::max({hidden, H_ * D, l0.gate_up.n / 2});
+    rows_of_x->reserve(T * widest, T * (widest / 32));
+    for (const int64_t w : part_widths_) part_bufs.push_back(torch::empty({T * w}, x.options()));
+    const at::ThreadLocalState state;  // the caller's (inference mode and the like)
+    std::exception_ptr failure;
+#pragma omp parallel num_threads(threads)
+    {
+      const at::ThreadLocalStateGuard guard(state);
+      const flare_team::Join join(omp_get_thread_num(), omp_get_num_threads(), rows_of_x);
+      try {
+        run_layers(y);
+      } catch (...) {  // every member fails at the same check (team.h)
+#pragma omp critical(flare_team_failure)
+        if (!failure) failure = std::current_exception();
+      }
     }
+    if (failure) std::rethrow_exception(failure);
     return y;
   }
 
@@ -260,6 +379,8 @@ class DenseLayers {
   torch::Tensor final_norm_, cos_, sin_;
   int64_t H_, KVH_;
   double eps_, scale_;
+  bool team_ok_ = false;  // every layer's linears write the step's buffers in place
+  std::vector<int64_t> part_widths_;  // per part index, the widest stacked part
 };
 
 }  // namespace
@@ -274,6 +395,9 @@ void flare_register_layers(pybind11::module_& m) {
            py::arg("lm_head"))
       .def_property_readonly("num_layers", &DenseLayers::num_layers)
       .def_property_readonly("has_lm_head", &DenseLayers::has_lm_head)
+      .def_property_readonly("decodes_as_team", &DenseLayers::decodes_as_team,
+                             "decode steps of 2 to 16 rows run their layers as one team "
+                             "of threads (team.h)")
       .def("forward", &DenseLayers::forward,
            "all layers of a step; returns the final norm's output [T, hidden]",
            py::arg("x"), py::arg("positions"), py::arg("slots"), py::arg("k"), py::arg("v"),

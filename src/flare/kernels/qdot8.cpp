@@ -72,6 +72,7 @@
 #include "checks.h"
 #include "ops.h"
 #include "qrows.h"
+#include "team.h"
 
 // the avx512amx variant: prompt-sized products on AMX tiles (amx.h, `amx_pair_rows`)
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
@@ -172,33 +173,48 @@ constexpr bool kBiasedSignedX = true;
 constexpr bool kBiasedSignedX = false;
 #endif
 
+// Rows of x a decode team quantizes on each member, into the member's own buffers, with
+// no barrier: fewer rows than members each take than the barrier costs
+constexpr int64_t TEAM_OWN_ROWS = 2;
+
 // Activations quantized once per call, shared by every output row (`biased`: codes stored
 // as q + 128, see quantize_rows): q int8 [B, K], d (and with `sums`, s) float32 [B, K/32].
-// The arrays are the calling thread's, kept from call to call and grown as needed: a
+// The arrays are the calling thread's, kept from call to call and grown as needed (a
 // decode step quantizes x ~120 times, and three fresh zeroed vectors each time were part
-// of a batch-1 step's serial work. So at most one QuantizedRows a thread is alive at a
-// time (each linear below makes one and calls no other linear).
+// of a batch-1 step's serial work), or in a decode team of more than TEAM_OWN_ROWS rows
+// the team's (each member quantizes its share of the rows). So at most one QuantizedRows
+// a thread (a team) is alive at a time: each linear below makes one and calls no other
+// linear.
 struct QuantizedRows {
   int8_t* q;
   float* d;
   float* s;
   QuantizedRows(const torch::Tensor& x, bool sums, bool biased = false) {
     const int64_t B = x.size(0), K = x.size(1), nb = K / QK;
-    thread_local std::vector<int8_t> q_buf;
-    thread_local std::vector<float> d_buf, s_buf;
-    if (static_cast<int64_t>(q_buf.size()) < B * K) q_buf.resize(B * K);
-    if (static_cast<int64_t>(d_buf.size()) < B * nb) d_buf.resize(B * nb);
-    if (sums && static_cast<int64_t>(s_buf.size()) < B * nb) s_buf.resize(B * nb);
-    q = q_buf.data();
-    d = d_buf.data();
-    s = sums ? s_buf.data() : nullptr;
+    thread_local flare_team::RowBuffers own;
+    const bool shared = flare_team::active() && B > TEAM_OWN_ROWS;
+    flare_team::RowBuffers& buf = shared ? *flare_team::self.rows : own;
+    if (shared) {  // every member sees the same sizes, so all pass or all fail
+      TORCH_CHECK(buf.q.size() >= static_cast<size_t>(B * K) &&
+                      buf.d.size() >= static_cast<size_t>(B * nb),
+                  "the team's buffers were not reserved for ", B, " x ", K);
+    } else {
+      buf.reserve(B * K, B * nb);
+    }
+    q = buf.q.data();
+    d = buf.d.data();
+    s = sums ? buf.s.data() : nullptr;
     const float* xd = x.data_ptr<float>();
-    at::parallel_for(0, B, 8, [&](int64_t b0, int64_t b1) {  // prompts: many rows
+    const auto quantize = [&](int64_t b0, int64_t b1) {
       quantize_rows(xd + b0 * K, b1 - b0, K, q + b0 * K, d + b0 * nb,
                     s ? s + b0 * nb : nullptr, biased);
-    });
+    };
+    if (shared) flare_team::for_range(0, B, 1, quantize);
+    else if (flare_team::active()) quantize(0, B);
+    else at::parallel_for(0, B, 8, quantize);  // prompts: many rows
   }
 };
+
 
 // Whether the int8 kernels prefetch their weights non-temporally (_MM_HINT_NTA) rather
 // than into every cache level (_MM_HINT_T0): set by set_weight_prefetch_nta, which
@@ -784,7 +800,7 @@ void for_groups(int64_t B, int64_t N, float* out, GroupFn group, int64_t first =
 #endif
   const int64_t U = (G - g0 + W - 1) / W;
   const int64_t grain = std::max<int64_t>(1, U / (4 * at::get_num_threads()) + 1);
-  at::parallel_for(0, U, grain, [&](int64_t u0, int64_t u1) {
+  flare_team::for_range(0, U, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = g0 + W * u;
 #ifdef FLARE_ZMM

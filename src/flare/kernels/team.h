@@ -1,0 +1,92 @@
+// A decode step's threads as one team: the kernels' work splits over it without a fork
+// and join per kernel.
+//
+// Every kernel splits its own work with at::parallel_for, one OpenMP parallel region a
+// call. A region's fork and join cost 1.6-1.9 us through ATen (2-core Xeon, 2 threads: a
+// q4x8_linear of 32 x 64 took 0.7 us on one thread, 2.6 on two), while a barrier inside a
+// running region costs 0.3 us; and the small row ops (x's quantization, the norms, SiLU),
+// not worth a fork, ran on the calling thread while the other waited. So layers.cpp runs
+// a decode step's layers inside one region (`Team`), and the kernels call `for_range`,
+// which gives each member its share of the range and ends in a barrier, so each op's
+// results are complete before the next reads them. Outside a team, `for_range` is
+// at::parallel_for. A split never changes a value: each index's result is computed by
+// one thread in the same way (the kernels' invariance tests run both).
+//
+// Rules inside a team: every member calls the same kernels with the same arguments, so
+// each meets the same barriers; each kernel writes its caller's `out` tensors (shared),
+// never new ones; and a check that fails fails for every member (they are all the
+// calling thread's checks of shared inputs), which catch it and leave the region together.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace flare_team {
+
+// Quantized rows of x (qdot8.cpp's QuantizedRows): q int8 [B, K], d and s float32
+// [B, K/32]. A thread's own, or a team's, which its members share.
+struct RowBuffers {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  void reserve(int64_t values, int64_t blocks) {
+    if (q.size() < static_cast<size_t>(values)) q.resize(values);
+    if (d.size() < static_cast<size_t>(blocks)) d.resize(blocks), s.resize(blocks);
+  }
+};
+
+// This thread's place in the running team (id -1: not in one), and the team's buffers.
+struct Member {
+  int id = -1;
+  int size = 1;
+  RowBuffers* rows = nullptr;
+};
+inline thread_local Member self;
+
+inline bool active() { return self.id >= 0; }
+
+// Joins the calling thread to the team for its lifetime (inside the region); `rows` is
+// the team's, reserved by the thread that starts it.
+struct Join {
+  Join(int id, int size, RowBuffers* rows) { self = Member{id, size, rows}; }
+  ~Join() { self = Member{}; }
+  Join(const Join&) = delete;
+  Join& operator=(const Join&) = delete;
+};
+
+// f(b, e) over [begin, end) in at most one chunk a member, at least `grain` indices a
+// chunk (a shorter range runs on member 0 alone), as at::parallel_for splits it; then
+// every member waits for the others. Outside a team: at::parallel_for.
+template <typename F>
+void for_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (!active()) {
+    at::parallel_for(begin, end, grain, f);
+    return;
+  }
+  if (end > begin) {
+    const int64_t n = end - begin;
+    const int64_t g = std::max<int64_t>(grain, 1);
+    const int64_t parts = n < g ? 1 : std::min<int64_t>(self.size, (n + g - 1) / g);
+    const int64_t chunk = (n + parts - 1) / parts;
+    const int64_t b = begin + self.id * chunk;
+    if (self.id < parts && b < end) f(b, std::min(end, b + chunk));
+  }
+#pragma omp barrier
+}
+
+// f() once: in a team, on member 0 while the others wait; else on the calling thread.
+template <typename F>
+void once(const F& f) {
+  if (!active()) {
+    f();
+    return;
+  }
+  if (self.id == 0) f();
+#pragma omp barrier
+}
+
+}  // namespace flare_team

@@ -215,7 +215,6 @@ struct QuantizedRows {
   }
 };
 
-
 // Whether the int8 kernels prefetch their weights non-temporally (_MM_HINT_NTA) rather
 // than into every cache level (_MM_HINT_T0): set by set_weight_prefetch_nta, which
 // flare.kernels.weight_prefetch drives from the CPU's vendor, the model's weight bytes and

@@ -6,16 +6,18 @@
 // q4x8_linear of 32 x 64 took 0.7 us on one thread, 2.6 on two), while a barrier inside a
 // running region costs 0.3 us; and the small row ops (x's quantization, the norms, SiLU),
 // not worth a fork, ran on the calling thread while the other waited. So layers.cpp runs
-// a decode step's layers inside one region (`Team`), and the kernels call `for_range`,
-// which gives each member its share of the range and ends in a barrier, so each op's
-// results are complete before the next reads them. Outside a team, `for_range` is
-// at::parallel_for. A split never changes a value: each index's result is computed by
-// one thread in the same way (the kernels' invariance tests run both).
+// a decode step's layers inside one region, each of its threads a member (`Join`), and
+// the kernels call `for_range`, which gives each member its share of the range and ends
+// in a barrier, so each op's results are complete before the next reads them. Outside a
+// team, `for_range` is at::parallel_for. A split never changes a value: each index's
+// result is computed by one thread in the same way (test_native_layers compares the
+// team's steps with the Python path's, bit for bit).
 //
 // Rules inside a team: every member calls the same kernels with the same arguments, so
 // each meets the same barriers; each kernel writes its caller's `out` tensors (shared),
 // never new ones; and a check that fails fails for every member (they are all the
 // calling thread's checks of shared inputs), which catch it and leave the region together.
+// A check that failed on one member only would leave the others waiting at a barrier.
 
 #pragma once
 

@@ -160,7 +160,6 @@ def test_k_quant_and_q5_files(make_kx8, threads, native_calls):
     _all_native(native_calls)
 
 
-
 def _runs_as_team(request, maker, fixture: str) -> None:
     name, fmt = request.node.callspec.params[fixture]
     native = maker(64, 5, native=True).model.native

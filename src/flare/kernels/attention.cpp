@@ -773,9 +773,9 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   };
   // decode over a short context: less work than a thread handoff costs (in a decode team
   // the handoff is a barrier the step needs anyway, so the items always split)
-  if (flare_team::active()) flare_team::for_range(0, W, 1, work);
-  else if (W <= 1 || B * R * H * nmax < PARALLEL_MIN_WORK) work(0, W);
-  else at::parallel_for(0, W, 1, work);
+  const bool small = W <= 1 || B * R * H * nmax < PARALLEL_MIN_WORK;
+  if (small && !flare_team::active()) work(0, W);
+  else flare_team::for_range(0, W, 1, work);
 }
 
 // run_cache for the cache's dtype (check_caches has admitted it)

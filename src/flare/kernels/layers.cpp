@@ -45,8 +45,8 @@
 // x's quantization at 8 rows) split too (8 sequences: a step 1.02-1.08x faster).
 // Otherwise each kernel splits its own work with at::parallel_for (one region per kernel
 // that asks for one, as on the Python path; decode's small ops stay on the calling
-// thread). Either way the same values: a split
-// never changes one. The GIL is released for the whole step.
+// thread). Either way the same values: a split never changes one. The GIL is released
+// for the whole step.
 
 #include <torch/extension.h>
 #include <ATen/ThreadLocalState.h>
@@ -332,7 +332,7 @@ class DenseLayers {
     thread_local flare_team::RowBuffers team_rows;
     flare_team::RowBuffers* const rows_of_x = &team_rows;
     const int64_t widest = std::max({hidden, H_ * D, l0.gate_up.n / 2});
-    rows_of_x->reserve(T * widest, T * (widest / 32));
+    rows_of_x->reserve(T, widest);
     for (const int64_t w : part_widths_) part_bufs.push_back(torch::empty({T * w}, x.options()));
     const at::ThreadLocalState state;  // the caller's (inference mode and the like)
     std::exception_ptr failure;

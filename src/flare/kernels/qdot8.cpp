@@ -195,11 +195,9 @@ struct QuantizedRows {
     const bool shared = flare_team::active() && B > TEAM_OWN_ROWS;
     flare_team::RowBuffers& buf = shared ? *flare_team::self.rows : own;
     if (shared) {  // every member sees the same sizes, so all pass or all fail
-      TORCH_CHECK(buf.q.size() >= static_cast<size_t>(B * K) &&
-                      buf.d.size() >= static_cast<size_t>(B * nb),
-                  "the team's buffers were not reserved for ", B, " x ", K);
+      TORCH_CHECK(buf.holds(B, K), "the team's buffers were not reserved for ", B, " x ", K);
     } else {
-      buf.reserve(B * K, B * nb);
+      buf.reserve(B, K);
     }
     q = buf.q.data();
     d = buf.d.data();

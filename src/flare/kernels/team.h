@@ -28,16 +28,25 @@
 #include <cstdint>
 #include <vector>
 
+#include "qrows.h"
+
 namespace flare_team {
 
 // Quantized rows of x (qdot8.cpp's QuantizedRows): q int8 [B, K], d and s float32
-// [B, K/32]. A thread's own, or a team's, which its members share.
+// [B, K/QK]. A thread's own, or a team's, which its members share.
 struct RowBuffers {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  void reserve(int64_t values, int64_t blocks) {
-    if (q.size() < static_cast<size_t>(values)) q.resize(values);
-    if (d.size() < static_cast<size_t>(blocks)) d.resize(blocks), s.resize(blocks);
+  // room for B rows of K values
+  void reserve(int64_t B, int64_t K) {
+    const auto values = static_cast<size_t>(B * K);
+    const auto blocks = static_cast<size_t>(B * (K / flare_qrows::QK));
+    if (q.size() < values) q.resize(values);
+    if (d.size() < blocks) d.resize(blocks), s.resize(blocks);
+  }
+  bool holds(int64_t B, int64_t K) const {
+    return q.size() >= static_cast<size_t>(B * K) &&
+           d.size() >= static_cast<size_t>(B * (K / flare_qrows::QK));
   }
 };
 
@@ -77,17 +86,6 @@ void for_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
     const int64_t b = begin + self.id * chunk;
     if (self.id < parts && b < end) f(b, std::min(end, b + chunk));
   }
-#pragma omp barrier
-}
-
-// f() once: in a team, on member 0 while the others wait; else on the calling thread.
-template <typename F>
-void once(const F& f) {
-  if (!active()) {
-    f();
-    return;
-  }
-  if (self.id == 0) f();
 #pragma omp barrier
 }
 

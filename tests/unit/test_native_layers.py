@@ -14,6 +14,10 @@ Q5_0 / Q5_1 / Q5_K / Q8_0 mix, in chunks of 7 and at batch 5 only (to stay small
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from engine_helpers import words
@@ -176,3 +180,24 @@ def test_decode_steps_run_as_one_team(request, make):
 def test_k_quant_decode_steps_run_as_one_team(request, make_kx8):
     """The same for the K-quant mixes, whose q/k/v parts are stacked."""
     _runs_as_team(request, make_kx8, "make_kx8")
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_member_failing_alone_fails_the_team_without_a_hang(failing):
+    """A member whose own share of a for_range throws (an allocation, a check of its
+    rows) must not leave the other members waiting at the barrier: every member leaves
+    the team, and the call raises the failing member's own error. Run in a child process
+    with a deadline, so a team that hangs fails the test instead of the suite."""
+    code = ("import sys, torch; from flare.kernels import fused_ops; m = fused_ops()\n"
+            "assert m.team_failure_check(2, -1) == 128  # no member fails: both calls ran\n"
+            "try:\n"
+            f"    m.team_failure_check(2, {failing})\n"
+            "except RuntimeError as exc:\n"
+            "    print(exc)\n"
+            "else:\n"
+            "    sys.exit('no error')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"member {failing} failed on its share" in out.stdout
+    assert "another member" not in out.stdout  # the failing member's error, not Abandoned

@@ -56,6 +56,7 @@
 #include "team.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -198,6 +199,48 @@ bool runs_in_team(const LinearSpec& s) {
   });
 }
 
+// body() on each of `threads` members of one team (team.h) inside one OpenMP region,
+// with the caller's thread-local state (inference mode and the like); `rows`, the
+// team's quantized rows of x. Rethrows what a member threw: the failing member's own
+// error, not the Abandoned the others throw when its for_range share failed.
+template <typename Body>
+void run_as_team(int threads, flare_team::RowBuffers* rows, const Body& body) {
+  const at::ThreadLocalState state;
+  std::atomic<bool> failed{false};
+  std::exception_ptr failure;
+#pragma omp parallel num_threads(threads)
+  {
+    const at::ThreadLocalStateGuard guard(state);
+    const flare_team::Join join(omp_get_thread_num(), omp_get_num_threads(), rows, &failed);
+    try {
+      body();
+    } catch (const flare_team::Abandoned&) {  // the failing member reports its own
+    } catch (...) {
+#pragma omp critical(flare_team_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+// A team of `threads` running two for_range calls over 64 indices, in which member
+// `failing` throws from its share of the first (none when it is not a member): the
+// errors path of run_as_team, for tests. Returns how many indices the team ran.
+int64_t team_failure_check(int64_t threads, int64_t failing) {
+  TORCH_CHECK(threads >= 1, "threads must be >= 1, got ", threads);
+  flare_team::RowBuffers rows;
+  std::atomic<int64_t> ran{0};
+  run_as_team(static_cast<int>(threads), &rows, [&] {
+    for (int call = 0; call < 2; ++call)
+      flare_team::for_range(0, 64, 1, [&](int64_t b, int64_t e) {
+        TORCH_CHECK(!(call == 0 && flare_team::self.id == failing), "member ", failing,
+                    " failed on its share [", b, ", ", e, ")");
+        ran += e - b;
+      });
+  });
+  return ran.load();
+}
+
 class DenseLayers {
  public:
   DenseLayers(const py::list& layers, torch::Tensor final_norm, torch::Tensor cos,
@@ -334,20 +377,7 @@ class DenseLayers {
     const int64_t widest = std::max({hidden, H_ * D, l0.gate_up.n / 2});
     rows_of_x->reserve(T, widest);
     for (const int64_t w : part_widths_) part_bufs.push_back(torch::empty({T * w}, x.options()));
-    const at::ThreadLocalState state;  // the caller's (inference mode and the like)
-    std::exception_ptr failure;
-#pragma omp parallel num_threads(threads)
-    {
-      const at::ThreadLocalStateGuard guard(state);
-      const flare_team::Join join(omp_get_thread_num(), omp_get_num_threads(), rows_of_x);
-      try {
-        run_layers(y);
-      } catch (...) {  // every member fails at the same check (team.h)
-#pragma omp critical(flare_team_failure)
-        if (!failure) failure = std::current_exception();
-      }
-    }
-    if (failure) std::rethrow_exception(failure);
+    run_as_team(threads, rows_of_x, [&] { run_layers(y); });
     return y;
   }
 
@@ -386,6 +416,10 @@ class DenseLayers {
 }  // namespace
 
 void flare_register_layers(pybind11::module_& m) {
+  m.def("team_failure_check", &team_failure_check,
+        "a team of `threads` whose member `failing` throws from its share of a for_range: "
+        "raises that member's error (returns the indices run when no member fails)",
+        py::arg("threads"), py::arg("failing"), py::call_guard<py::gil_scoped_release>());
   py::class_<DenseLayers>(m, "DenseLayers",
                           "every decoder layer of a dense step in one call (layers.cpp)")
       .def(py::init<const py::list&, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,

@@ -15,9 +15,12 @@
 //
 // Rules inside a team: every member calls the same kernels with the same arguments, so
 // each meets the same barriers; each kernel writes its caller's `out` tensors (shared),
-// never new ones; and a check that fails fails for every member (they are all the
-// calling thread's checks of shared inputs), which catch it and leave the region together.
-// A check that failed on one member only would leave the others waiting at a barrier.
+// never new ones; and a check outside for_range's work fails for every member (they are
+// all checks of shared inputs), which catch it and leave the region together. What a
+// member's own share of the work throws (an allocation, a check of its rows) reaches the
+// others through the team's `failed` flag at for_range's barrier: they throw `Abandoned`
+// there, and the failing member its own error, so no member waits at a barrier another
+// will never reach.
 
 #pragma once
 
@@ -25,7 +28,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <exception>
+#include <stdexcept>
 #include <vector>
 
 #include "qrows.h"
@@ -50,20 +56,30 @@ struct RowBuffers {
   }
 };
 
-// This thread's place in the running team (id -1: not in one), and the team's buffers.
+// This thread's place in the running team (id -1: not in one), the team's buffers, and
+// the team's flag that a member's share of some work failed.
 struct Member {
   int id = -1;
   int size = 1;
   RowBuffers* rows = nullptr;
+  std::atomic<bool>* failed = nullptr;
 };
 inline thread_local Member self;
 
 inline bool active() { return self.id >= 0; }
 
-// Joins the calling thread to the team for its lifetime (inside the region); `rows` is
-// the team's, reserved by the thread that starts it.
+// What a member throws at for_range's barrier when another member's share failed: the
+// failing member throws its own error, which is the one to report.
+struct Abandoned : std::runtime_error {
+  Abandoned() : std::runtime_error("another member of the decode team failed") {}
+};
+
+// Joins the calling thread to the team for its lifetime (inside the region); `rows` and
+// `failed` are the team's, made by the thread that starts it.
 struct Join {
-  Join(int id, int size, RowBuffers* rows) { self = Member{id, size, rows}; }
+  Join(int id, int size, RowBuffers* rows, std::atomic<bool>* failed) {
+    self = Member{id, size, rows, failed};
+  }
   ~Join() { self = Member{}; }
   Join(const Join&) = delete;
   Join& operator=(const Join&) = delete;
@@ -71,22 +87,37 @@ struct Join {
 
 // f(b, e) over [begin, end) in at most one chunk a member, at least `grain` indices a
 // chunk (a shorter range runs on member 0 alone), as at::parallel_for splits it; then
-// every member waits for the others. Outside a team: at::parallel_for.
+// every member waits for the others. If any member's f threw, every member throws after
+// the barrier: the failing one its error, the others Abandoned. Outside a team:
+// at::parallel_for.
 template <typename F>
 void for_range(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (!active()) {
     at::parallel_for(begin, end, grain, f);
     return;
   }
+  std::exception_ptr mine;
   if (end > begin) {
     const int64_t n = end - begin;
     const int64_t g = std::max<int64_t>(grain, 1);
     const int64_t parts = n < g ? 1 : std::min<int64_t>(self.size, (n + g - 1) / g);
     const int64_t chunk = (n + parts - 1) / parts;
     const int64_t b = begin + self.id * chunk;
-    if (self.id < parts && b < end) f(b, std::min(end, b + chunk));
+    if (self.id < parts && b < end) {
+      try {
+        f(b, std::min(end, b + chunk));
+      } catch (...) {
+        mine = std::current_exception();
+        self.failed->store(true, std::memory_order_relaxed);
+      }
+    }
   }
 #pragma omp barrier
+  // (the barrier orders the flag's store before these loads)
+  if (self.failed->load(std::memory_order_relaxed)) {
+    if (mine) std::rethrow_exception(mine);
+    throw Abandoned();
+  }
 }
 
 }  // namespace flare_team

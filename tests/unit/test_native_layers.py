@@ -158,6 +158,14 @@ def test_decode_at_batch_5_over_different_lengths(make, threads, native_calls):
     _all_native(native_calls)
 
 
+def test_decode_at_batch_2(make, threads, native_calls):
+    """Two sequences: in a team each member quantizes its own copy of x's rows (qdot8.cpp's
+    TEAM_OWN_ROWS), in the team's buffers."""
+    two = {k: BATCH[k] for k in ("s0", "s3")}
+    _compare(make, two, 128, 2, f"batch 2, {threads} threads")
+    _all_native(native_calls)
+
+
 def test_k_quant_and_q5_files(make_kx8, threads, native_calls):
     _compare(make_kx8, {"x": PROMPT}, 7, 1, f"chunk 7, {threads} threads")
     _compare(make_kx8, BATCH, 64, 5, f"batch 5, {threads} threads")

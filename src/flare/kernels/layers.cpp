@@ -370,12 +370,13 @@ class DenseLayers {
     if (!team_ok_ || !chunk_starts.empty() || T < TEAM_MIN_ROWS || T > TEAM_MAX_ROWS ||
         threads < 2 || at::in_parallel_region())
       return run_layers(y);
-    // x's quantized rows, shared by the team's members (the widest x a linear takes)
-    // (a pointer: inside the region the thread_local's name is each member's own)
+    // x's quantized rows, shared by the team's members, with room for each member's own
+    // copy of a step's few rows (qdot8.cpp's QuantizedRows), of the widest x a linear
+    // takes (a pointer: inside the region the thread_local's name is each member's own)
     thread_local flare_team::RowBuffers team_rows;
     flare_team::RowBuffers* const rows_of_x = &team_rows;
     const int64_t widest = std::max({hidden, H_ * D, l0.gate_up.n / 2});
-    rows_of_x->reserve(T, widest);
+    rows_of_x->reserve(T * threads, widest);
     for (const int64_t w : part_widths_) part_bufs.push_back(torch::empty({T * w}, x.options()));
     run_as_team(threads, rows_of_x, [&] { run_layers(y); });
     return y;

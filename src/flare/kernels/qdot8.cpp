@@ -181,10 +181,11 @@ constexpr int64_t TEAM_OWN_ROWS = 2;
 // as q + 128, see quantize_rows): q int8 [B, K], d (and with `sums`, s) float32 [B, K/32].
 // The arrays are the calling thread's, kept from call to call and grown as needed (a
 // decode step quantizes x ~120 times, and three fresh zeroed vectors each time were part
-// of a batch-1 step's serial work), or in a decode team of more than TEAM_OWN_ROWS rows
-// the team's (each member quantizes its share of the rows). So at most one QuantizedRows
-// a thread (a team) is alive at a time: each linear below makes one and calls no other
-// linear.
+// of a batch-1 step's serial work), or in a decode team the team's, reserved before it
+// starts (its members must not allocate: team.h): more than TEAM_OWN_ROWS rows are
+// shared, each member quantizing its share, and fewer are each member's own copy, member
+// m's at rows [m B, (m + 1) B). So at most one QuantizedRows a thread (a team) is alive
+// at a time: each linear below makes one and calls no other linear.
 struct QuantizedRows {
   int8_t* q;
   float* d;
@@ -192,16 +193,18 @@ struct QuantizedRows {
   QuantizedRows(const torch::Tensor& x, bool sums, bool biased = false) {
     const int64_t B = x.size(0), K = x.size(1), nb = K / QK;
     thread_local flare_team::RowBuffers own;
-    const bool shared = flare_team::active() && B > TEAM_OWN_ROWS;
-    flare_team::RowBuffers& buf = shared ? *flare_team::self.rows : own;
-    if (shared) {  // every member sees the same sizes, so all pass or all fail
-      TORCH_CHECK(buf.holds(B, K), "the team's buffers were not reserved for ", B, " x ", K);
+    const bool team = flare_team::active(), shared = team && B > TEAM_OWN_ROWS;
+    const int64_t first = team && !shared ? flare_team::self.id * B : 0;
+    flare_team::RowBuffers& buf = team ? *flare_team::self.rows : own;
+    if (team) {  // every member sees the same sizes, so all pass or all fail
+      TORCH_CHECK(buf.holds(B * flare_team::self.size, K),
+                  "the team's buffers were not reserved for ", B, " x ", K, " a member");
     } else {
       buf.reserve(B, K);
     }
-    q = buf.q.data();
-    d = buf.d.data();
-    s = sums ? buf.s.data() : nullptr;
+    q = buf.q.data() + first * K;
+    d = buf.d.data() + first * nb;
+    s = sums ? buf.s.data() + first * nb : nullptr;
     const float* xd = x.data_ptr<float>();
     const auto quantize = [&](int64_t b0, int64_t b1) {
       quantize_rows(xd + b0 * K, b1 - b0, K, q + b0 * K, d + b0 * nb,

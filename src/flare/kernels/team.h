@@ -20,7 +20,8 @@
 // member's own share of the work throws (an allocation, a check of its rows) reaches the
 // others through the team's `failed` flag at for_range's barrier: they throw `Abandoned`
 // there, and the failing member its own error, so no member waits at a barrier another
-// will never reach.
+// will never reach. (Members allocate nothing: a member's own copy of x's few quantized
+// rows lies in the team's RowBuffers too.)
 
 #pragma once
 

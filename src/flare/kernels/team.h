@@ -20,8 +20,9 @@
 // member's own share of the work throws (an allocation, a check of its rows) reaches the
 // others through the team's `failed` flag at for_range's barrier: they throw `Abandoned`
 // there, and the failing member its own error, so no member waits at a barrier another
-// will never reach. (Members allocate nothing: a member's own copy of x's few quantized
-// rows lies in the team's RowBuffers too.)
+// will never reach. x's quantized rows never grow inside a team: a member's own copy of
+// a step's few rows lies in the team's RowBuffers too. (A tensor view's small allocation
+// outside for_range, as a stacked linear's parts take, is still a member's own.)
 
 #pragma once
 

@@ -182,7 +182,7 @@ constexpr int64_t TEAM_OWN_ROWS = 2;
 // The arrays are the calling thread's, kept from call to call and grown as needed (a
 // decode step quantizes x ~120 times, and three fresh zeroed vectors each time were part
 // of a batch-1 step's serial work), or in a decode team the team's, reserved before it
-// starts (its members must not allocate: team.h): more than TEAM_OWN_ROWS rows are
+// starts (so x's rows never grow inside a team: team.h): more than TEAM_OWN_ROWS rows are
 // shared, each member quantizing its share, and fewer are each member's own copy, member
 // m's at rows [m B, (m + 1) B). So at most one QuantizedRows a thread (a team) is alive
 // at a time: each linear below makes one and calls no other linear.

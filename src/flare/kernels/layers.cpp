@@ -103,29 +103,40 @@ LinearSpec parse_linear(const py::handle& obj) {
   return s;
 }
 
+// A decode team's outputs of stacked linears' parts (stacked_in_team): for part index i,
+// views [T, n] of one flat buffer, one view for each width n a part i has in some layer.
+// Made before the team starts, as a member must not allocate outside for_range (a
+// TensorImpl a view takes could fail on one member only, and the other would wait at a
+// barrier), and shared by the members, which only write their rows through them.
+using PartViews = std::vector<std::vector<torch::Tensor>>;
+
 torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
                      const c10::optional<torch::Tensor>& out = c10::nullopt,
-                     const std::vector<torch::Tensor>* part_bufs = nullptr);
+                     const PartViews* part_views = nullptr);
 
-// A stacked linear in a decode team (team.h), whose members must not allocate: part i
-// into part_bufs[i] (flat, at least T x its width), then the parts' columns side by side
-// into out [T, N], rows split over the team.
+// part_views[i]'s view of width n
+const torch::Tensor& part_view(const PartViews& part_views, size_t i, int64_t n) {
+  for (const auto& view : part_views[i])
+    if (view.size(1) == n) return view;
+  TORCH_CHECK(false, "no team buffer for stacked part ", i, " of width ", n);
+}
+
+// A stacked linear in a decode team (team.h): part i into its view of part_views, then
+// the parts' columns side by side into out [T, N], rows split over the team. Allocates
+// nothing.
 torch::Tensor stacked_in_team(const LinearSpec& s, const torch::Tensor& x,
-                              const torch::Tensor& out,
-                              const std::vector<torch::Tensor>& part_bufs) {
+                              const torch::Tensor& out, const PartViews& part_views) {
   const int64_t T = x.size(0), N = out.size(1);
-  std::vector<torch::Tensor> ys;
-  for (size_t i = 0; i < s.parts.size(); ++i) {
-    const int64_t n = s.parts[i].n;
-    ys.push_back(linear(s.parts[i], x, part_bufs[i].narrow(0, 0, T * n).view({T, n})));
-  }
+  for (size_t i = 0; i < s.parts.size(); ++i)
+    linear(s.parts[i], x, part_view(part_views, i, s.parts[i].n));
   float* o = out.data_ptr<float>();
   flare_team::for_range(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t col = 0;
-      for (const auto& y : ys) {
-        const int64_t n = y.size(1);
-        std::memcpy(o + t * N + col, y.data_ptr<float>() + t * n, n * sizeof(float));
+      for (size_t i = 0; i < s.parts.size(); ++i) {
+        const int64_t n = s.parts[i].n;
+        const float* y = part_view(part_views, i, n).data_ptr<float>();
+        std::memcpy(o + t * N + col, y + t * n, n * sizeof(float));
         col += n;
       }
     }
@@ -135,11 +146,11 @@ torch::Tensor stacked_in_team(const LinearSpec& s, const torch::Tensor& x,
 
 // y = x W^T (+ b), as Linear.__call__ runs this weight (x contiguous). The int8 kinds
 // write y into `out` [B, N] when given, and so does a stacked linear in a decode team
-// (its parts through part_bufs); the others (float panels, stacked parts) return a new
+// (its parts through part_views); the others (float panels, stacked parts) return a new
 // tensor, so the caller uses what this returns.
 torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
                      const c10::optional<torch::Tensor>& out,
-                     const std::vector<torch::Tensor>* part_bufs) {
+                     const PartViews* part_views) {
   const auto& t = s.t;
   torch::Tensor y;
   switch (s.kind) {
@@ -155,7 +166,7 @@ torch::Tensor linear(const LinearSpec& s, const torch::Tensor& x,
       break;
     case Kind::STACKED: {
       if (flare_team::active()) {
-        y = stacked_in_team(s, x, *out, *part_bufs);
+        y = stacked_in_team(s, x, *out, *part_views);
         break;
       }
       std::vector<torch::Tensor> ys;
@@ -332,15 +343,19 @@ class DenseLayers {
     const auto rows = [T](const torch::Tensor& t, int64_t s, int64_t n) {
       return s == 0 && n == T ? t : t.slice(0, s, s + n);
     };
-    std::vector<torch::Tensor> part_bufs;  // a team's stacked linears' parts (flat)
+    // a team's views, made before it starts (a member allocates nothing outside
+    // for_range): each layer's K and V caches, its stacked linears' part outputs
+    std::vector<torch::Tensor> k_layers, v_layers;
+    PartViews part_views;
     // every layer from y (the first layer's input norm); returns the final norm's output
     // (y's buffer, written in place)
     const auto run_layers = [&](torch::Tensor y) {
       for (int64_t i = 0; i < L; ++i) {
         const Layer& l = layers_[i];
-        torch::Tensor kc = k.select(0, i), vc = v.select(0, i);
+        torch::Tensor kc = k_layers.empty() ? k.select(0, i) : k_layers[i];
+        torch::Tensor vc = v_layers.empty() ? v.select(0, i) : v_layers[i];
         // [T, (H + 2 KVH) * D]
-        const auto qkv = linear(l.qkv, y, fits(qkv_buf, l.qkv.n), &part_bufs).contiguous();
+        const auto qkv = linear(l.qkv, y, fits(qkv_buf, l.qkv.n), &part_views).contiguous();
         const auto q = flare_ops::rope_store(qkv, cos_, sin_, positions, kc, vc, slots, H_,
                                              KVH_, l.qk_norm, eps_, q_buf);  // [T, H, D]
         // paged_attention with the fused ops: one kernel call per group, each writing its
@@ -356,11 +371,11 @@ class DenseLayers {
           flare_ops::cached_attention(rows(q, s, t), kc, vc, chunk_gathers[c], chunk_ctx[c], t,
                                       scale_, rows(o_buf, s, t));
         }
-        const auto proj = linear(l.o_proj, o2, fits(proj_buf, l.o_proj.n), &part_bufs).contiguous();
+        const auto proj = linear(l.o_proj, o2, fits(proj_buf, l.o_proj.n), &part_views).contiguous();
         y = flare_ops::add_rms_norm(x, proj, l.post_norm, eps_, y);
-        const auto gu = linear(l.gate_up, y, fits(gu_buf, l.gate_up.n), &part_bufs).contiguous();
+        const auto gu = linear(l.gate_up, y, fits(gu_buf, l.gate_up.n), &part_views).contiguous();
         const auto act = flare_ops::silu_mul(gu, fits(act_buf, gu.size(1) / 2));
-        const auto m = linear(l.down, act, fits(m_buf, l.down.n), &part_bufs).contiguous();
+        const auto m = linear(l.down, act, fits(m_buf, l.down.n), &part_views).contiguous();
         const auto& nxt = i + 1 < L ? layers_[i + 1].input_norm : final_norm_;
         y = flare_ops::add_rms_norm(x, m, nxt, eps_, y);  // x += m; the next norm's output
       }
@@ -377,7 +392,22 @@ class DenseLayers {
     flare_team::RowBuffers* const rows_of_x = &team_rows;
     const int64_t widest = std::max({hidden, H_ * D, l0.gate_up.n / 2});
     rows_of_x->reserve(T * threads, widest);
-    for (const int64_t w : part_widths_) part_bufs.push_back(torch::empty({T * w}, x.options()));
+    for (int64_t i = 0; i < L; ++i) {
+      k_layers.push_back(k.select(0, i));
+      v_layers.push_back(v.select(0, i));
+    }
+    part_views.resize(part_widths_.size());
+    for (size_t i = 0; i < part_widths_.size(); ++i) {
+      const torch::Tensor flat = torch::empty({T * part_widths_[i]}, x.options());
+      for (const Layer& l : layers_)
+        for (const LinearSpec* s : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
+          if (i >= s->parts.size()) continue;
+          const int64_t n = s->parts[i].n;
+          const bool have = std::any_of(part_views[i].begin(), part_views[i].end(),
+                                        [n](const torch::Tensor& t) { return t.size(1) == n; });
+          if (!have) part_views[i].push_back(flat.narrow(0, 0, T * n).view({T, n}));
+        }
+    }
     run_as_team(threads, rows_of_x, [&] { run_layers(y); });
     return y;
   }

@@ -21,8 +21,9 @@
 // others through the team's `failed` flag at for_range's barrier: they throw `Abandoned`
 // there, and the failing member its own error, so no member waits at a barrier another
 // will never reach. x's quantized rows never grow inside a team: a member's own copy of
-// a step's few rows lies in the team's RowBuffers too. (A tensor view's small allocation
-// outside for_range, as a stacked linear's parts take, is still a member's own.)
+// a step's few rows lies in the team's RowBuffers too; and layers.cpp makes every view a
+// member uses (each layer's K and V, a stacked linear's part outputs) before the team
+// starts, so outside for_range a member allocates nothing.
 
 #pragma once
 

@@ -10,16 +10,18 @@ prints, in ns and in core cycles (a dependent `vpaddd` chain is one cycle a step
 - `vpdpbusd` zmm alone and FMA zmm alone (12 independent chains: throughput, not latency);
 - the kernel's mix at 8 rows: per row-block two fresh chains of 4 `vpdpbusd` (x's codes
   broadcast from memory), their add, a convert, the scale product and two FMAs;
-- the int8 rate that mix allows (2 x 32 x 16 ops a row-block) against `vpdpbusd` alone.
+- the int8 rate that mix allows (2 x 32 x 16 ops a row-block) against `vpdpbusd` alone;
+- Flare's own `q4x8_linear` at 8 rows of x on one thread, in cache (the embedded model's
+  gate/up shape, 3072 x 576), as a share of that rate, where Flare's kernels run here.
 
 On the 2-core Xeon (family 6 model 167, 3.7 GHz) `vpdpbusd` and FMA each ran at about 2 a
 cycle, and the row-block's 13 ops took 8 cycles: 0.55 of the `vpdpbusd`-only rate, about
 475 GOP/s a core. The codes' unpacking and the block scales, shared by the 8 rows, add
-about 2.5 ops a row-block more; q4x8 at 8 rows in cache ran 349 GOP/s on one thread
-(bench/kernel_ab.py --hot --threads 1), near that. A figure, not
+about 2.5 ops a row-block more; q4x8 at 8 rows in cache ran 323-349 GOP/s on one thread,
+67-73% of the mix's rate. A figure, not
 pass/fail; needs g++ and a CPU with avx512_vnni (else it says so and exits).
 
-    .venv/bin/python bench/vector_unit.py [--iterations 20000000]
+    PYTHONPATH=src .venv/bin/python bench/vector_unit.py [--iterations 20000000]
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import torch
+from machine_limits import best_rate
+
+from flare import kernels
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -112,6 +119,24 @@ def cpu_has(flag: str) -> bool:
     return False
 
 
+def q4_kernel_gops(rows: int = 8, n: int = 3072, k: int = 576) -> float | str:
+    """GOP/s of Flare's q4x8_linear on `rows` rows of x against an n x k weight (in cache),
+    on one thread; or why the kernels cannot run here."""
+    problem = kernels.qgemm_problem()
+    if problem is not None:
+        return problem
+    from flare.models.quant.blocks import quantize_q4
+    from flare.models.quant.interleaved import Q4x8Weight
+
+    g = torch.Generator().manual_seed(0)
+    w = Q4x8Weight.pack(quantize_q4(torch.randn(n, k, generator=g)))
+    x = torch.randn(rows, k, generator=g)
+    ops = kernels.qgemm()
+    torch.set_num_threads(1)
+    return best_rate(2 * rows * n * k / 1e9,
+                     lambda: ops.q4x8_linear(x, w.codes, w.scales, w.mins))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=20_000_000)
@@ -140,8 +165,16 @@ def main() -> None:
     print(f"a row-block (8 vpdpbusd, an add, convert, multiply, 2 FMAs): {show(mix)}; "
           f"{dp * 8 / mix:.2f} of the vpdpbusd-only rate (8 / 13 = 0.62 if every op "
           f"takes a vpdpbusd's slot)")
-    print(f"int8 ceiling of the 8-row kernel, one core: {2 * 32 * 16 / mix:.0f} GOP/s "
+    ceiling = 2 * 32 * 16 / mix
+    print(f"int8 rate of that mix, one core: {ceiling:.0f} GOP/s "
           f"(vpdpbusd alone: {2 * 64 / dp:.0f})")
+    kernel = q4_kernel_gops()
+    if isinstance(kernel, str):
+        print(f"q4x8_linear: not measured ({kernel})")
+    else:
+        print(f"q4x8_linear, 8 rows x 3072 x 576, one thread, in cache: {kernel:.0f} GOP/s, "
+              f"{100 * kernel / ceiling:.0f}% of the mix's rate (the rest: the codes' "
+              f"unpacking and block scales, shared by the 8 rows, and the loop)")
 
 if __name__ == "__main__":
     main()

@@ -352,13 +352,16 @@ FILES = {
 
 def write_k_gguf(path, spec: tuple, tok: dict, seed: int = 3) -> None:
     """A random 2-layer Llama (hidden 256, FFN 512, SmolLM2's vocabulary) as a GGUF of
-    the types in `spec` (K-quants by `quantize_k`)."""
+    the types in `spec` (K-quants by `quantize_k`): a weight's type is types["L.name"]
+    for layer L's, else types["name"], else types["*"]."""
     types, embed_t, out_t, _ = spec
 
     def kind_of(name: str) -> str:
-        short = name.split(".")[-2]
+        parts = name.split(".")
+        short = parts[-2]
+        layer = parts[parts.index("layers") + 1] if "layers" in parts else ""
         return (embed_t if "embed" in name else out_t if "lm_head" in name
-                else types.get(short, types["*"]))
+                else types.get(f"{layer}.{short}", types.get(short, types["*"])))
 
     def encoder(a: np.ndarray, kind: str) -> np.ndarray:
         return quantize_k(a, kind) if kind.endswith("_K") else encode(a, kind)

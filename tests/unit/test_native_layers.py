@@ -41,7 +41,14 @@ BATCH = {f"s{i}": words(9 + 17 * i, seed=300 + i) for i in range(5)}  # 9 .. 77 
 CASES = [("embedded", "q4x8"), ("tiny_llama", "q4x8"), ("tiny_llama", "q8x8"),
          ("tiny_qwen3", "q4x8"), ("tiny_qwen3", "q8x8"), ("tiny_qwen3", "full"),
          ("tiny_qwen2", "q4x8")]
-KX8_CASES = [("q4_k_m", "kx8"), ("q5_mix", "kx8")]  # every kind of kx8 between them
+# A file whose layers stack their q/k/v differently, as llama.cpp's Q4_K_M gives some
+# layers' v more bits: layer 0 [q k | v], layer 1 [q | k v] (a decode team then holds two
+# widths of output for each part).
+KQUANT_SPECS = {**KQUANT_FILES, "q4_k_m_by_layer": (
+    {"*": "Q4_K", "v_proj": "Q6_K", "1.k_proj": "Q6_K", "down_proj": "Q6_K"}, "Q4_K",
+    "Q6_K", "kx8")}
+KX8_CASES = [("q4_k_m", "kx8"), ("q5_mix", "kx8"),  # every kind of kx8 between them
+             ("q4_k_m_by_layer", "kx8")]
 
 
 def tiny_qwen2(folder, tokenizer):
@@ -66,9 +73,9 @@ def tiny_qwen2(folder, tokenizer):
 def engine_maker(request, name: str, fmt: str):
     """make(max_batch_tokens, max_num_seqs, native) -> an Engine of model `name` in `fmt`;
     native=False keeps the Python fused path (the reference)."""
-    if name in KQUANT_FILES:
+    if name in KQUANT_SPECS:
         path = request.getfixturevalue("tmp_path_factory").mktemp("gguf") / f"{name}.gguf"
-        write_k_gguf(path, KQUANT_FILES[name],
+        write_k_gguf(path, KQUANT_SPECS[name],
                      tokenizer_fields_of(request.getfixturevalue("embedded_gguf")))
         ckpt = load_checkpoint(path)
     elif name == "tiny_qwen2":

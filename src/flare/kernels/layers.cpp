@@ -282,12 +282,14 @@ class DenseLayers {
              runs_in_team(l.down) && l.qkv.n == l0.qkv.n && l.o_proj.n == l0.o_proj.n &&
              l.gate_up.n == l0.gate_up.n && l.down.n == l0.down.n;
     });
-    // the widest part i of any stacked linear: the team's part buffers
+    // each width part i of any stacked linear has: the team's part views
     for (const Layer& l : layers_)
       for (const LinearSpec* s : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
         for (size_t i = 0; i < s->parts.size(); ++i) {
-          if (part_widths_.size() <= i) part_widths_.push_back(0);
-          part_widths_[i] = std::max(part_widths_[i], s->parts[i].n);
+          if (part_widths_.size() <= i) part_widths_.emplace_back();
+          auto& widths = part_widths_[i];
+          if (std::find(widths.begin(), widths.end(), s->parts[i].n) == widths.end())
+            widths.push_back(s->parts[i].n);
         }
   }
 
@@ -396,17 +398,11 @@ class DenseLayers {
       k_layers.push_back(k.select(0, i));
       v_layers.push_back(v.select(0, i));
     }
-    part_views.resize(part_widths_.size());
-    for (size_t i = 0; i < part_widths_.size(); ++i) {
-      const torch::Tensor flat = torch::empty({T * part_widths_[i]}, x.options());
-      for (const Layer& l : layers_)
-        for (const LinearSpec* s : {&l.qkv, &l.o_proj, &l.gate_up, &l.down}) {
-          if (i >= s->parts.size()) continue;
-          const int64_t n = s->parts[i].n;
-          const bool have = std::any_of(part_views[i].begin(), part_views[i].end(),
-                                        [n](const torch::Tensor& t) { return t.size(1) == n; });
-          if (!have) part_views[i].push_back(flat.narrow(0, 0, T * n).view({T, n}));
-        }
+    for (const auto& widths : part_widths_) {
+      const int64_t widest_part = *std::max_element(widths.begin(), widths.end());
+      const torch::Tensor flat = torch::empty({T * widest_part}, x.options());
+      auto& views = part_views.emplace_back();
+      for (const int64_t n : widths) views.push_back(flat.narrow(0, 0, T * n).view({T, n}));
     }
     run_as_team(threads, rows_of_x, [&] { run_layers(y); });
     return y;
@@ -441,7 +437,7 @@ class DenseLayers {
   int64_t H_, KVH_;
   double eps_, scale_;
   bool team_ok_ = false;  // every layer's linears write the step's buffers in place
-  std::vector<int64_t> part_widths_;  // per part index, the widest stacked part
+  std::vector<std::vector<int64_t>> part_widths_;  // per part index, each width it has
 };
 
 }  // namespace

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flare.models import rope
 from flare.models.attention import AttentionBatch
 from flare.state.layout import LayerStateSpec, StateLayout
 
@@ -75,13 +76,16 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
 
 def rope_tables(theta: float, rotary_dim: int, max_positions: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_positions, rotary_dim] of default RoPE, built in fp32 the
-    way transformers builds them (angles = position * inv_freq, duplicated halves)."""
+    """cos and sin tables [max_positions, rotary_dim] of default RoPE: the angles in fp32
+    as transformers builds them (position * inv_freq, duplicated halves), their cos and
+    sin rounded from float64 (`flare.models.rope`, not torch's: the same bits in every
+    process)."""
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
                            / rotary_dim))
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
-    return emb.cos().to(dtype=dtype, device=device), emb.sin().to(dtype=dtype, device=device)
+    cos, sin = rope.cos_sin(emb)
+    return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

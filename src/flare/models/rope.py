@@ -1,0 +1,37 @@
+"""cos and sin tables for RoPE, the same bits in every process.
+
+torch's float32 `cos` and `sin` on CPU run MKL's vector math (VML) over each thread's
+share of the tensor, and once in a while one share comes back at VML's low-accuracy
+"enhanced performance" level instead of its high-accuracy one: in `pytest
+tests/unit/test_kquant.py`, about one process in four built a llama table whose
+positions 1-127 (the first thread's half of 256 x 64) were up to 1.5e-4 off, cos(1) =
+0.5403335 instead of 0.5403023 (exactly what `vmsCos` gives in mode VML_EP), while a
+second engine built moments later in the same process had the right table. Keys written
+with the one table and queries rotated by the other then moved an activation across an
+int8 rounding midpoint: logits 1.3e-2 apart between a prompt prefilled whole and in
+chunks. So the tables are made here without VML: numpy's float64 cos and sin of the
+float32 angles (which stay what transformers computes: position * inv_freq in float32),
+each rounded once to float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each angle, computed in float64 and rounded once to float32.
+
+    Args:
+        angles: any shape, float32, radians, on the CPU.
+    Returns:
+        (cos, sin): the shape of `angles`, float32, CPU.
+    Raises:
+        TypeError: `angles` is not a float32 tensor.
+    """
+    if angles.dtype != torch.float32:
+        raise TypeError(f"angles must be float32, got {angles.dtype}")
+    wide = angles.detach().cpu().numpy().astype(np.float64)
+    return (torch.from_numpy(np.cos(wide).astype(np.float32)),
+            torch.from_numpy(np.sin(wide).astype(np.float32)))

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import torch
 
+from flare.models import exact_math
 from flare.models.attention import AttentionBatch
 
 
@@ -27,7 +28,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Returns:
         (o [B, H, Dv], the state after the token), float32.
     """
-    state = state * g.exp()[..., None, None]
+    state = state * exact_math.exp(g)[..., None, None]
     pred = (state * k.unsqueeze(-1)).sum(-2)  # [B, H, Dv]: what S already recalls for k
     u = (v - pred) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * u.unsqueeze(-2)

@@ -12,7 +12,8 @@ depend on the other rows of the call nor on how many there are, so a token's res
 the same alone, in a prefill chunk of any length or beside other sequences. Norms reduce
 over the last axis only (torch reduces each row in one fixed order whatever T); the conv
 takes its K taps in a fixed order with elementwise products and sums; the activations
-(`sigmoid`, `silu`, `softplus`) are written with `torch.exp` / `torch.log1p`, which run one
+(`sigmoid`, `silu`, `softplus`) are written with `exact_math.exp` / `exact_math.log1p`
+(numpy's routines on CPU, not MKL's: see `flare.models.exact_math`), which run one
 vectorized routine on every element, and exactly rounded arithmetic, because torch's own
 `torch.sigmoid`, `F.silu` and `F.softplus` compute the last elements of a buffer (and of
 each thread's share) with a scalar routine whose results differ in the last bit, so a
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from flare.models import rope
+from flare.models import exact_math
 from flare.models.attention import AttentionBatch
 from flare.state.layout import LayerStateSpec, StateLayout
 
@@ -52,7 +53,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: any shape, floating dtype. Returns: same shape and dtype.
     """
-    return torch.exp(-x).add_(1).reciprocal_()
+    return exact_math.exp(-x).add_(1).reciprocal_()
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: any shape, floating dtype. Returns: same shape and dtype.
     """
-    return x / torch.exp(-x).add_(1)
+    return x / exact_math.exp(-x).add_(1)
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
@@ -71,20 +72,20 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     Args:
         x: any shape, floating dtype. Returns: same shape and dtype.
     """
-    return torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    return torch.where(x > 20, x, exact_math.log1p(exact_math.exp(x)))
 
 
 def rope_tables(theta: float, rotary_dim: int, max_positions: int, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, rotary_dim] of default RoPE: the angles in fp32
     as transformers builds them (position * inv_freq, duplicated halves), their cos and
-    sin rounded from float64 (`flare.models.rope`, not torch's: the same bits in every
+    sin rounded from float64 (`flare.models.exact_math`, not torch's: the same bits in every
     process)."""
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
                            / rotary_dim))
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
     emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
-    cos, sin = rope.cos_sin(emb)
+    cos, sin = exact_math.cos_sin(emb)
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 

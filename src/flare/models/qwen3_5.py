@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from flare.models import exact_math
 from flare.models.attention import AttentionBatch
 from flare.models.gated_delta import gated_delta_rule, l2norm, step_runs
 from flare.models.hybrid_common import (causal_conv, decoder_tensor_names, eos_ids,
@@ -241,7 +242,7 @@ def load_delta_net(w: Callable[[str], torch.Tensor], prefix: str,
     return DeltaNetWeights(
         in_proj=linear(in_proj),
         conv=w(prefix + "conv1d.weight").squeeze(1),
-        neg_a=-w(prefix + "A_log").float().exp(),
+        neg_a=-exact_math.exp(w(prefix + "A_log").float()),
         dt_bias=w(prefix + "dt_bias").float(),
         norm=w(prefix + "norm.weight"),
         out_proj=linear(w(prefix + "out_proj.weight")))

@@ -1,5 +1,5 @@
 """RoPE tables hold cos and sin of their float32 angles computed in float64 and rounded
-once to float32 (`flare.models.rope`), checked here against Python's `math.cos` and
+once to float32 (`flare.models.exact_math`), checked here against Python's `math.cos` and
 `math.sin` element by element.
 
 torch's own float32 cos on CPU (MKL's vector math) gives other last bits on about 5% of
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from flare.models import hybrid_common, rope
+from flare.models import exact_math, hybrid_common
 from flare.models.llama import rope_inv_freq
 from flare.models.recipe import build_model
 
@@ -35,7 +35,7 @@ def _angles(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
 
 def test_cos_sin_are_float64_values_rounded_once():
     angles = torch.linspace(-300.0, 300.0, 20_001, dtype=torch.float32)
-    cos, sin = rope.cos_sin(angles)
+    cos, sin = exact_math.cos_sin(angles)
     assert cos.dtype == sin.dtype == torch.float32
     assert torch.equal(cos, _rounded_once(math.cos, angles))
     assert torch.equal(sin, _rounded_once(math.sin, angles))
@@ -43,7 +43,7 @@ def test_cos_sin_are_float64_values_rounded_once():
 
 def test_cos_sin_refuses_other_dtypes():
     with pytest.raises(TypeError, match="float64"):
-        rope.cos_sin(torch.zeros(3, dtype=torch.float64))
+        exact_math.cos_sin(torch.zeros(3, dtype=torch.float64))
 
 
 @pytest.mark.slow
@@ -66,3 +66,21 @@ def test_hybrid_tables_are_rounded_once():
     angles = _angles(inv, 300)
     assert torch.equal(cos, _rounded_once(math.cos, angles))
     assert torch.equal(sin, _rounded_once(math.sin, angles))
+
+
+def test_exp_and_log1p_are_row_invariant_and_close_to_float64():
+    """exp and log1p of each element alone equal the whole call's (a row's values never
+    depend on the rest of the buffer, its last elements included), within 2 float32 ulp
+    of the float64 values; overflow gives inf without a warning."""
+    x = torch.linspace(-30.0, 30.0, 1_037, dtype=torch.float32)
+    for fn, ref, xs in ((exact_math.exp, torch.exp, x), (exact_math.log1p, torch.log1p, x.abs())):
+        whole = fn(xs)
+        assert torch.equal(torch.cat([fn(xs[i:i + 1]) for i in range(len(xs))]), whole)
+        assert torch.equal(fn(xs[5:18]), whole[5:18])
+        want = ref(xs.double())
+        assert bool(((whole.double() - want).abs() <= 2 * torch.finfo(torch.float32).eps
+                     * want.abs()).all())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert exact_math.exp(torch.tensor([100.0])).item() == math.inf

@@ -1,4 +1,5 @@
-"""cos and sin tables for RoPE, the same bits in every process.
+"""cos, sin, exp and log1p on the CPU without torch's routines (MKL's vector math, VML), so
+that a value never depends on which call or thread computed it.
 
 torch's float32 `cos` and `sin` on CPU run MKL's vector math (VML) over each thread's
 share of the tensor, and once in a while one share comes back at VML's low-accuracy
@@ -12,12 +13,49 @@ int8 rounding midpoint: logits 1.3e-2 apart between a prompt prefilled whole and
 chunks. So the tables are made here without VML: numpy's float64 cos and sin of the
 float32 angles (which stay what transformers computes: position * inv_freq in float32),
 each rounded once to float32.
+
+The hybrids' activations and decay (`hybrid_common.sigmoid`, `silu`, `softplus`, the
+gated delta rule's exp(g)) take `exp` and `log1p` from here for the same reason: numpy's
+float32 routines, which run one vectorized routine over every element (the last ones of
+a buffer through masked loads) or one scalar routine per element, so a row's values do
+not depend on where it lies in the batch. Off the CPU (CUDA) and for other dtypes they
+are torch's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+def _numpy_able(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise e^x: numpy's on CPU float32/float64 (overflow to inf, no warning),
+    torch's otherwise.
+
+    Args:
+        x: any shape, floating dtype, any device. Returns: same shape, dtype and device.
+    """
+    if not _numpy_able(x):
+        return torch.exp(x)
+    with np.errstate(over="ignore", under="ignore"):
+        return torch.from_numpy(np.exp(x.detach().numpy()))
+
+
+def log1p(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise log(1 + x): numpy's on CPU float32/float64, torch's otherwise.
+
+    Args:
+        x: any shape, floating dtype, any device; x >= -1. Returns: same shape, dtype and
+        device (nan below -1, -inf at -1, without warnings).
+    """
+    if not _numpy_able(x):
+        return torch.log1p(x)
+    with np.errstate(all="ignore"):
+        return torch.from_numpy(np.log1p(x.detach().numpy()))
 
 
 def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,12 +7,11 @@ share of the tensor, and once in a while one share comes back at VML's low-accur
 tests/unit/test_kquant.py`, about one process in four built a llama table whose
 positions 1-127 (the first thread's half of 256 x 64) were up to 1.5e-4 off, cos(1) =
 0.5403335 instead of 0.5403023 (exactly what `vmsCos` gives in mode VML_EP), while a
-second engine built moments later in the same process had the right table. Keys written
-with the one table and queries rotated by the other then moved an activation across an
-int8 rounding midpoint: logits 1.3e-2 apart between a prompt prefilled whole and in
-chunks. So the tables are made here without VML: numpy's float64 cos and sin of the
-float32 angles (which stay what transformers computes: position * inv_freq in float32),
-each rounded once to float32.
+second engine built moments later in the same process had the right table. The wrong
+table moved an activation across an int8 rounding midpoint: that engine's logits were
+1.3e-2 from those of the engines built after it. So the tables are made here without VML (`rope_cos_sin`): numpy's float64 cos
+and sin of the float32 angles (which stay what transformers computes: position *
+inv_freq in float32), each rounded once to float32.
 
 The hybrids' activations and decay (`hybrid_common.sigmoid`, `silu`, `softplus`, the
 gated delta rule's exp(g)) take `exp` and `log1p` from here for the same reason: numpy's
@@ -73,3 +72,19 @@ def cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wide = angles.detach().cpu().numpy().astype(np.float64)
     return (torch.from_numpy(np.cos(wide).astype(np.float32)),
             torch.from_numpy(np.sin(wide).astype(np.float32)))
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos and sin tables of RoPE over `positions` positions (`cos_sin` of the angles).
+
+    The angles are built as transformers builds them: position * inv_freq in float32,
+    the halves duplicated (`rotate_half` layout).
+
+    Args:
+        inv_freq: [D / 2] float32, the inverse frequencies (radians per position).
+        positions: how many positions, 0 .. positions - 1.
+    Returns:
+        (cos, sin): [positions, D] float32, CPU.
+    """
+    freqs = torch.outer(torch.arange(positions, dtype=torch.float32), inv_freq)
+    return cos_sin(torch.cat([freqs, freqs], dim=-1))

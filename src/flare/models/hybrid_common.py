@@ -83,9 +83,7 @@ def rope_tables(theta: float, rotary_dim: int, max_positions: int, dtype: torch.
     process)."""
     inv = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float()
                            / rotary_dim))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)  # [P, rotary_dim]
-    cos, sin = exact_math.cos_sin(emb)
+    cos, sin = exact_math.rope_cos_sin(inv, max_positions)  # [P, rotary_dim]
     return cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
 
 

@@ -38,9 +38,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from flare.models import exact_math
 from flare.models.attention import (FUSED_CACHE_DTYPES, AttentionBatch, paged_attention,
                                     static_decode_attention)
-from flare.models import exact_math
 from flare.models.config import ModelConfig
 from flare.models.native_layers import native_embedding, native_forward, native_layers
 from flare.models.quant.linear import Linear
@@ -155,9 +155,8 @@ class LlamaModel:
                 gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=linear([p + "mlp.down_proj.weight"]),
             ))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(c))
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D], as transformers builds it
-        cos, sin = exact_math.cos_sin(emb)  # not torch's: see flare.models.exact_math
+        # [P, D], not torch's cos/sin: see flare.models.exact_math
+        cos, sin = exact_math.rope_cos_sin(rope_inv_freq(c), max_positions)
         self.cos = cos.to(dtype=dtype, device=device)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: the sign moves into the
         # table (negation is exact), so RoPE is a swap of halves, two multiplies and an add

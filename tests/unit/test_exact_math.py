@@ -84,3 +84,23 @@ def test_exp_and_log1p_are_row_invariant_and_close_to_float64():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert exact_math.exp(torch.tensor([100.0])).item() == math.inf
+
+
+@pytest.mark.parametrize("width", [64, 512, 49_152, 151_936])
+def test_softmax_rows_do_not_depend_on_their_batch(width):
+    """torch's CPU softmax and log_softmax (sampling's probabilities and log-probabilities,
+    qwen3_next's router) are not VML: ATen's own vectorized loop with SLEEF's exp (perf on
+    this Xeon: Sleef_finz_expf16_u10avx512f, no mkl_vml symbol), and a row's values do not
+    depend on the rows beside it or on the thread that computed them. Widths: a router's
+    experts, a small and the embedded and Qwen vocabularies; 1 to 9 rows on 2 threads."""
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=g) * 8
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for fn in (torch.softmax, torch.log_softmax):
+            alone = torch.cat([fn(x[i:i + 1], dim=-1) for i in range(9)])
+            for rows in (2, 5, 9):
+                assert torch.equal(fn(x[:rows], dim=-1), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)

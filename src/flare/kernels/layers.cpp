@@ -59,7 +59,9 @@
 #include <atomic>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -252,6 +254,27 @@ int64_t team_failure_check(int64_t threads, int64_t failing) {
   return ran.load();
 }
 
+// A team step's views (layers.cpp makes them before the team starts): each layer's K and
+// V caches, k.select(0, i) and v.select(0, i), and the stacked linears' part outputs for
+// T rows. A decode step of the same caches and row count uses the same views, so
+// DenseLayers keeps the last step's rather than making 2 L views and a buffer each step.
+// The views hold the caches' storage, so a cache freed and another allocated at its
+// address cannot match.
+struct TeamViews {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::vector<int64_t> k_sizes, k_strides;
+  int64_t rows = 0;
+  std::vector<torch::Tensor> k_layers, v_layers;
+  PartViews part_views;
+
+  bool fit(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t T) const {
+    return k == k_cache.data_ptr() && v == v_cache.data_ptr() && rows == T &&
+           k_sizes == k_cache.sizes().vec() && k_strides == k_cache.strides().vec() &&
+           v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides();
+  }
+};
+
 class DenseLayers {
  public:
   DenseLayers(const py::list& layers, torch::Tensor final_norm, torch::Tensor cos,
@@ -347,8 +370,10 @@ class DenseLayers {
     };
     // a team's views, made before it starts (a member allocates nothing outside
     // for_range): each layer's K and V caches, its stacked linears' part outputs
-    std::vector<torch::Tensor> k_layers, v_layers;
-    PartViews part_views;
+    TeamViews views;
+    const std::vector<torch::Tensor>& k_layers = views.k_layers;
+    const std::vector<torch::Tensor>& v_layers = views.v_layers;
+    const PartViews& part_views = views.part_views;
     // every layer from y (the first layer's input norm); returns the final norm's output
     // (y's buffer, written in place)
     const auto run_layers = [&](torch::Tensor y) {
@@ -394,17 +419,10 @@ class DenseLayers {
     flare_team::RowBuffers* const rows_of_x = &team_rows;
     const int64_t widest = std::max({hidden, H_ * D, l0.gate_up.n / 2});
     rows_of_x->reserve(T * threads, widest);
-    for (int64_t i = 0; i < L; ++i) {
-      k_layers.push_back(k.select(0, i));
-      v_layers.push_back(v.select(0, i));
-    }
-    for (const auto& widths : part_widths_) {
-      const int64_t widest_part = *std::max_element(widths.begin(), widths.end());
-      const torch::Tensor flat = torch::empty({T * widest_part}, x.options());
-      auto& views = part_views.emplace_back();
-      for (const int64_t n : widths) views.push_back(flat.narrow(0, 0, T * n).view({T, n}));
-    }
+    views = take_team_views();
+    if (!views.fit(k, v, T)) views = make_team_views(k, v, T, x.options());
     run_as_team(threads, rows_of_x, [&] { run_layers(y); });
+    keep_team_views(std::move(views));
     return y;
   }
 
@@ -431,6 +449,36 @@ class DenseLayers {
   }
 
  private:
+  TeamViews make_team_views(const torch::Tensor& k, const torch::Tensor& v, int64_t T,
+                            const torch::TensorOptions& options) const {
+    TeamViews views;
+    views.k = k.data_ptr(), views.v = v.data_ptr(), views.rows = T;
+    views.k_sizes = k.sizes().vec(), views.k_strides = k.strides().vec();
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      views.k_layers.push_back(k.select(0, i));
+      views.v_layers.push_back(v.select(0, i));
+    }
+    for (const auto& widths : part_widths_) {
+      const int64_t widest_part = *std::max_element(widths.begin(), widths.end());
+      const torch::Tensor flat = torch::empty({T * widest_part}, options);
+      auto& part = views.part_views.emplace_back();
+      for (const int64_t n : widths) part.push_back(flat.narrow(0, 0, T * n).view({T, n}));
+    }
+    return views;
+  }
+  // The kept views, moved out (a call running beside another, which holds them, makes
+  // its own: two steps never share part buffers), and put back after the step.
+  TeamViews take_team_views() const {
+    const std::lock_guard<std::mutex> lock(team_views_mutex_);
+    return std::exchange(team_views_, TeamViews{});
+  }
+  void keep_team_views(TeamViews views) const {
+    const std::lock_guard<std::mutex> lock(team_views_mutex_);
+    team_views_ = std::move(views);
+  }
+
+  mutable std::mutex team_views_mutex_;
+  mutable TeamViews team_views_;
   std::vector<Layer> layers_;
   c10::optional<LinearSpec> lm_head_;
   torch::Tensor final_norm_, cos_, sin_;

@@ -188,6 +188,39 @@ def test_kernel_quantizes_activations_as_quantize_q8():
     assert torch.equal(codes, ref.codes) and torch.equal(scales, ref.scales)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 8])
+def test_kernel_quantization_next_to_half_integers_equals_the_division(rows):
+    """AVX-512 builds take a block's codes from x * (1 / d) unless some value lies within
+    2^-14 of a half-integer, where they divide (qdot8.cpp, quantize_16_blocks): values
+    placed 0 to 3 float32 steps either side of (k + 1/2) d, over 36 decades of scale, an
+    all-zero block among them, give quantize_q8's codes (torch's x / d, rounded half to
+    even) and scales bit for bit, though x * (1 / d) alone rounds some of them the other
+    way. One row or 8: the blocks go 16 at a time across rows."""
+    from flare.kernels import qgemm
+
+    g = torch.Generator().manual_seed(7 + rows)
+    blocks = []
+    for scale in torch.logspace(-18, 18, 64, dtype=torch.float64).tolist():
+        for _ in range(8):
+            amax = scale * (1 + torch.rand((), generator=g, dtype=torch.float64).item())
+            d = torch.tensor(amax, dtype=torch.float32) / 127  # the kernel's d, float32
+            k = torch.randint(-127, 127, (31,), generator=g, dtype=torch.float64)
+            near = ((k + 0.5) * d.double()).float()
+            for _ in range(int(torch.randint(0, 4, (), generator=g).item())):
+                away = torch.where(torch.rand(31, generator=g) < 0.5, -torch.inf, torch.inf)
+                near = torch.nextafter(near, away.float())
+            blocks.append(torch.cat([torch.tensor([amax], dtype=torch.float32), near]))
+    blocks[3][:] = 0.0
+    x = torch.stack(blocks).reshape(rows, -1)
+    codes, scales = qgemm().quantize_rows_q8(x)
+    ref = quantize_q8(x)
+    assert torch.equal(codes, ref.codes) and torch.equal(scales, ref.scales)
+    d = ref.scales.repeat_interleave(32, dim=1)
+    by_reciprocal = torch.round(x * (1 / d))
+    assert (by_reciprocal != torch.round(x / d)).any(), "no value tells the two apart"
+
+
 def test_interleaved_layout_round_trips_and_fuses():
     torch.manual_seed(3)
     a, b = torch.randn(16, 64), torch.randn(24, 64)

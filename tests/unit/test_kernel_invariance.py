@@ -128,6 +128,20 @@ def test_attention_decode_rows_equal_prefill_rows(cache):
     lens = torch.tensor([len(g) for g in others] + [121])
     batched = OPS.decode_attention_gather(q8, kc, vc, g8, lens, SCALE)
     assert torch.equal(batched[7], whole[120])
+    # beside 7 others of about its length (at most twice the shortest: attention.cpp then
+    # takes all KV heads of a sequence as one work item)
+    others = [torch.randperm(S)[:n] for n in (100, 110, 125, 140, 150, 170, 199)]
+    rows = [torch.cat([g, torch.zeros(200 - len(g), dtype=torch.int64)]) for g in others]
+    g8 = torch.stack(rows + [gather]).contiguous()
+    lens = torch.tensor([len(g) for g in others] + [121])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            batched = OPS.decode_attention_gather(q8, kc, vc, g8, lens, SCALE)
+            assert torch.equal(batched[7], whole[120]), threads
+    finally:
+        torch.set_num_threads(before)
     start = 100  # one sequence in consecutive slots: the span op
     span_q = torch.randn(1, H, D)
     span = OPS.decode_attention(span_q[0].contiguous(), kc, vc, start, 77, SCALE)

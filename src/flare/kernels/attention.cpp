@@ -708,13 +708,15 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
     nmin = std::min(nmin, lengths[b]);
   }
   // Decode of several sequences of about one length (R = 1, the longest at most twice the
-  // shortest): an item is one sequence's KV heads, one after another, so a member reads
-  // each cached token's K and V rows for all heads, KVH * D contiguous values (8 streams
-  // of the embedded model: a step 2-3.5% faster, median of 6-10 rounds of
-  // bench/ab_builds.py --batch 8 at 32 and 500 cached tokens). Otherwise an item a head:
-  // one sequence's heads then split over the threads, and a long sequence beside short
-  // ones does not leave one thread with all of its keys.
-  const int64_t heads_per_item = R == 1 && B > 1 && nmax <= 2 * nmin ? KVH : 1;
+  // shortest), as many a thread: an item is one sequence's KV heads, one after another,
+  // so a thread reads each cached token's K and V rows for all heads, KVH * D contiguous
+  // values (8 streams of the embedded model: a step 2-3.5% faster, median of 6-10 rounds
+  // of bench/ab_builds.py --batch 8 at 32 and 500 cached tokens). Otherwise an item a
+  // head: the heads then share out evenly over the threads, and a long sequence beside
+  // short ones does not leave one thread with all of its keys.
+  const int64_t threads = flare_team::active() ? flare_team::self.size : at::get_num_threads();
+  const int64_t heads_per_item =
+      R == 1 && B > 1 && B % threads == 0 && nmax <= 2 * nmin ? KVH : 1;
   const int64_t W = B * (KVH / heads_per_item) * tiles_per_seq;
   const float* qd = q.data_ptr<float>();
   const T* kd = static_cast<const T*>(k_cache.data_ptr());

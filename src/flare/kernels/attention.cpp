@@ -714,7 +714,8 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   // of bench/ab_builds.py --batch 8 at 32 and 500 cached tokens). Otherwise an item a
   // head: the heads then share out evenly over the threads, and a long sequence beside
   // short ones does not leave one thread with all of its keys.
-  const int64_t threads = flare_team::active() ? flare_team::self.size : at::get_num_threads();
+  const int64_t threads =
+      flare_team::active() ? flare_team::self.size : at::get_num_threads();
   const int64_t heads_per_item =
       R == 1 && B > 1 && B % threads == 0 && nmax <= 2 * nmin ? KVH : 1;
   const int64_t W = B * (KVH / heads_per_item) * tiles_per_seq;
@@ -732,8 +733,9 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
   constexpr bool lanes = false;
 #endif
   // The i-th work item a thread's range hands out: sequence b, KV head kh (the first of
-  // heads_per_item), tile ti of the sequence's positions. Zig-zag over the items, so the two halves a static split makes
-  // each get as many long (late) as short (early) causal rows.
+  // its heads_per_item), tile ti of the sequence's positions. Zig-zag over the items, so
+  // the two halves a static split makes each get as many long (late) as short (early)
+  // causal rows.
   struct Item {
     int64_t b, kh, ti;
   };
@@ -771,20 +773,20 @@ void run_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
       const Item it = item(i);
       if (i == w0) prefetch_start(it);
       if (i + 1 < w1) prefetch_start(item(i + 1));  // while this item runs
+      const int64_t b = it.b, r0 = it.ti * rows_per_tile;
+      const int64_t r1 = std::min(R, r0 + rows_per_tile);
       for (int64_t kh = it.kh; kh < it.kh + heads_per_item; ++kh) {
-      const int64_t b = it.b, ti = it.ti;
-      const int64_t r0 = ti * rows_per_tile, r1 = std::min(R, r0 + rows_per_tile);
-      Tile t;
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t row = (b * R + r) * H + kh * G + g;
-          t.q[t.rows] = qd + row * D;
-          t.o[t.rows] = od + row * D;
-          t.n[t.rows] = lengths[b] - R + r + 1;
-          ++t.rows;
-        }
-      attend_tile(t, kd + kh * D, vd + kh * D, KVH * D, slot_of(b), D, sc, p.data(),
-                  pstride, wide.data(), qt.data());
+        Tile t;
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t row = (b * R + r) * H + kh * G + g;
+            t.q[t.rows] = qd + row * D;
+            t.o[t.rows] = od + row * D;
+            t.n[t.rows] = lengths[b] - R + r + 1;
+            ++t.rows;
+          }
+        attend_tile(t, kd + kh * D, vd + kh * D, KVH * D, slot_of(b), D, sc, p.data(),
+                    pstride, wide.data(), qt.data());
       }
     }
   };

@@ -259,7 +259,9 @@ int64_t team_failure_check(int64_t threads, int64_t failing) {
 // T rows. A decode step of the same caches and row count uses the same views, so
 // DenseLayers keeps the last step's rather than making 2 L views and a buffer each step.
 // The views hold the caches' storage, so a cache freed and another allocated at its
-// address cannot match.
+// address cannot match (and the last caches a team step ran on stay allocated until a
+// step on other caches, or the model's end, lets them go: one pool per model in an
+// engine).
 struct TeamViews {
   const void* k = nullptr;
   const void* v = nullptr;

@@ -133,8 +133,10 @@ FLARE_INLINE __m512 reduce_each(const __m512* v, Op op) {
     c[i] = op(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
               _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
   // element p of 128-bit lane l: v[4p + l] folded to one value
-  const __m512 d = op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512 d =
+      op(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order =
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, d);
 }
 
@@ -142,7 +144,8 @@ constexpr int64_t GROUP_BLOCKS = 16;
 
 // Blocks [0, 16) of x (512 values): their scales d[0..16), codes q[0..512) (XOR flip) and,
 // with s, sums s[0..16); every value as quantize_rows' one block at a time gives it.
-FLARE_INLINE void quantize_16_blocks(const float* x, int8_t* q, float* d, float* s, char flip) {
+FLARE_INLINE void quantize_16_blocks(const float* x, int8_t* q, float* d, float* s,
+                                     char flip) {
   __m512 m[GROUP_BLOCKS];
   uint32_t nan = 0;  // bit j: block j holds a NaN
   for (int j = 0; j < GROUP_BLOCKS; ++j) {
@@ -150,7 +153,8 @@ FLARE_INLINE void quantize_16_blocks(const float* x, int8_t* q, float* d, float*
     m[j] = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
     nan |= static_cast<uint32_t>(_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) != 0) << j;
   }
-  const __m512 amax = reduce_each(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
+  const __m512 amax =
+      reduce_each(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
   // a block holding NaN or inf gets scale NaN (and codes 0)
   const __mmask16 bad = static_cast<__mmask16>(nan) |
                         _mm512_cmp_ps_mask(amax, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
@@ -184,13 +188,15 @@ FLARE_INLINE void quantize_16_blocks(const float* x, int8_t* q, float* d, float*
     const __m512i i1 = _mm512_cvt_roundps_epi32(t1, nearest);
     sums[j] = _mm512_castsi512_ps(_mm512_add_epi32(i0, i1));
     // |code| <= 127: the saturating narrowing is exact
-    const __m256i codes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
+    const __m256i codes =
+        _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
                         _mm256_xor_si256(codes, _mm256_set1_epi8(flip)));
   }
   if (s == nullptr) return;
   const __m512 total = reduce_each(sums, [](__m512 a, __m512 b) {
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    return _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
   });
   // an all-zero block sums to 0, a non-finite one to NaN (its codes sum to 0)
   _mm512_storeu_ps(s, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_castps_si512(total))));

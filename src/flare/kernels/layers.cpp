@@ -220,11 +220,13 @@ template <typename Body>
 void run_as_team(int threads, flare_team::RowBuffers* rows, const Body& body) {
   const at::ThreadLocalState state;
   std::atomic<bool> failed{false};
+  flare_team::Barrier barrier;
   std::exception_ptr failure;
 #pragma omp parallel num_threads(threads)
   {
     const at::ThreadLocalStateGuard guard(state);
-    const flare_team::Join join(omp_get_thread_num(), omp_get_num_threads(), rows, &failed);
+    const flare_team::Join join(omp_get_thread_num(), omp_get_num_threads(), rows, &failed,
+                                &barrier);
     try {
       body();
     } catch (const flare_team::Abandoned&) {  // the failing member reports its own

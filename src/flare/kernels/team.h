@@ -33,7 +33,6 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
